@@ -1,0 +1,1 @@
+"""The cache layer (see DESIGN.md, Layers)."""

@@ -1,0 +1,1 @@
+"""The comm layer (see DESIGN.md, Layers)."""

@@ -1,0 +1,1 @@
+"""The engine layer (see DESIGN.md, Layers)."""

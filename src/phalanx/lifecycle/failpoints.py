@@ -1,0 +1,213 @@
+"""Named failpoints in the production code path.
+
+A failpoint is declared once, at import time of the module that carries it, and hit
+at its acquisition or release step::
+
+    _WINDOW_CREATED = Failpoint("domain.alloc.window_created", "window segment exists")
+    ...
+    _WINDOW_CREATED.hit()
+
+Tests and operators arm failpoints by name in any process of a job: in this process
+with :func:`arm`, in rank processes through ``Worker.arm_failpoint`` or at start-up
+through the ``PHALANX_FAILPOINTS`` environment variable
+(``"name=raise;other=hang:5;third=kill"``), which rank processes inherit.
+
+Cost when disarmed: one global lookup and a falsy test (see ``Failpoint.hit``).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from ._errors import FailpointError, PhalanxError
+
+__all__ = [
+    "Action",
+    "Failpoint",
+    "FailpointSpecError",
+    "arm",
+    "armed",
+    "catalogue",
+    "disarm",
+    "disarm_all",
+    "parse_spec",
+    "set_process_rank",
+]
+
+ENV_VAR = "PHALANX_FAILPOINTS"
+
+
+class FailpointSpecError(PhalanxError, ValueError):
+    """A failpoint spec string or name could not be understood."""
+
+
+class Action(enum.Enum):
+    RAISE = "raise"  # raise FailpointError at the point
+    HANG = "hang"  # block for `arg` seconds (default 3600), then raise FailpointError
+    KILL = "kill"  # SIGKILL this process: the point's step never completes
+    EXIT = "exit"  # os._exit(arg or 1) without cleanup
+
+
+@dataclass(frozen=True)
+class Arming:
+    action: Action
+    arg: float | None = None
+    skip: int = 0  # let this many hits pass before firing
+    times: int | None = None  # fire at most this many times (None: every hit after skip)
+
+    def spec(self) -> str:
+        s = self.action.value
+        if self.arg is not None:
+            s += f":{self.arg:g}"
+        if self.skip:
+            s += f"@{self.skip}"
+        if self.times is not None:
+            s += f"*{self.times}"
+        return s
+
+
+# Declared failpoints: name -> description. Filled at import of the modules carrying them.
+_CATALOGUE: dict[str, str] = {}
+# Armed failpoints of this process. Empty dict => every hit() is a single falsy test.
+_ARMED: dict[str, Arming] = {}
+_HITS: dict[str, int] = {}
+_FIRED: dict[str, int] = {}
+_LOCK = threading.Lock()
+_PROCESS_RANK: int | None = None
+
+
+class Failpoint:
+    """One named point; ``hit()`` does nothing unless the point is armed."""
+
+    __slots__ = ("description", "name")
+
+    def __init__(self, name: str, description: str) -> None:
+        if name in _CATALOGUE:
+            raise FailpointSpecError(f"failpoint {name!r} declared twice")
+        _CATALOGUE[name] = description
+        self.name = name
+        self.description = description
+
+    def hit(self) -> None:
+        if _ARMED:
+            _maybe_fire(self.name)
+
+    def __repr__(self) -> str:
+        return f"Failpoint({self.name!r})"
+
+
+def _maybe_fire(name: str) -> None:
+    with _LOCK:
+        arming = _ARMED.get(name)
+        if arming is None:
+            return
+        hits = _HITS.get(name, 0)
+        _HITS[name] = hits + 1
+        if hits < arming.skip:
+            return
+        fired = _FIRED.get(name, 0)
+        if arming.times is not None and fired >= arming.times:
+            return
+        _FIRED[name] = fired + 1
+    if arming.action is Action.RAISE:
+        raise FailpointError(name, _PROCESS_RANK)
+    if arming.action is Action.HANG:
+        time.sleep(3600.0 if arming.arg is None else arming.arg)
+        raise FailpointError(name, _PROCESS_RANK)
+    if arming.action is Action.KILL:
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # SIGKILL is asynchronous; never return into the step
+    if arming.action is Action.EXIT:
+        os._exit(1 if arming.arg is None else int(arming.arg))
+
+
+def set_process_rank(rank: int | None) -> None:
+    """Name the rank of this process in FailpointErrors (rank processes call this)."""
+    global _PROCESS_RANK
+    _PROCESS_RANK = rank
+
+
+def catalogue() -> dict[str, str]:
+    """Every declared failpoint (name -> description) of the modules imported so far.
+
+    Import :mod:`phalanx` (which imports every layer) for the complete catalogue.
+    """
+    return dict(sorted(_CATALOGUE.items()))
+
+
+def parse_spec(spec: str) -> Arming:
+    """Parse ``ACTION[:ARG][@SKIP][*TIMES]``, e.g. ``raise``, ``hang:2``, ``raise@3*1``."""
+    rest = spec.strip()
+    times: int | None = None
+    skip = 0
+    try:
+        if "*" in rest:
+            rest, t = rest.split("*", 1)
+            times = int(t)
+        if "@" in rest:
+            rest, s = rest.split("@", 1)
+            skip = int(s)
+        arg: float | None = None
+        if ":" in rest:
+            rest, a = rest.split(":", 1)
+            arg = float(a)
+        return Arming(Action(rest), arg, skip, times)
+    except ValueError as exc:
+        raise FailpointSpecError(
+            f"bad failpoint spec {spec!r}: expected ACTION[:ARG][@SKIP][*TIMES] with ACTION "
+            f"one of {[a.value for a in Action]}"
+        ) from exc
+
+
+def arm(name: str, spec: str | Arming = "raise") -> None:
+    """Arm ``name`` in this process. Unknown names are refused (typos would test nothing)."""
+    if name not in _CATALOGUE:
+        raise FailpointSpecError(
+            f"unknown failpoint {name!r}; phalanx.lifecycle.failpoints.catalogue() lists them"
+        )
+    arming = parse_spec(spec) if isinstance(spec, str) else spec
+    with _LOCK:
+        _ARMED[name] = arming
+        _HITS.pop(name, None)
+        _FIRED.pop(name, None)
+
+
+def disarm(name: str) -> None:
+    with _LOCK:
+        _ARMED.pop(name, None)
+
+
+def disarm_all() -> None:
+    with _LOCK:
+        _ARMED.clear()
+        _HITS.clear()
+        _FIRED.clear()
+
+
+def armed() -> dict[str, str]:
+    """Armed failpoints of this process as ``name -> spec``."""
+    with _LOCK:
+        return {n: a.spec() for n, a in _ARMED.items()}
+
+
+def fired(name: str) -> int:
+    """How many times ``name`` fired in this process since it was armed."""
+    with _LOCK:
+        return _FIRED.get(name, 0)
+
+
+def encode_env(points: dict[str, str]) -> str:
+    return ";".join(f"{n}={s}" for n, s in points.items())
+
+
+def arm_from_env(value: str | None = None) -> None:
+    """Arm what ``PHALANX_FAILPOINTS`` names. Called once a process has imported phalanx."""
+    text = os.environ.get(ENV_VAR, "") if value is None else value
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, spec = item.partition("=")
+        arm(name.strip(), spec or "raise")

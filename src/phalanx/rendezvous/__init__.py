@@ -1,0 +1,1 @@
+"""The rendezvous layer (see DESIGN.md, Layers)."""

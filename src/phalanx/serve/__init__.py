@@ -1,0 +1,1 @@
+"""The serve layer: the `phalanx` CLI (and, later, the HTTP API and metrics)."""

@@ -1,0 +1,54 @@
+"""Root of the ``phalanx`` CLI; subcommands register themselves from their modules."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from phalanx import __version__
+
+# Subcommand modules, imported lazily by the root group so `phalanx --help` stays fast
+# and torch is never imported unless a subcommand needs it.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("phalanx.serve.cli.demo", "demo"),
+    "doctor": ("phalanx.serve.cli.doctor", "doctor"),
+    "bench": ("phalanx.serve.cli.bench", "bench"),
+    "cache": ("phalanx.serve.cli.cache", "cache"),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(name for name in _COMMANDS if self.get_command(ctx, name) is not None)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = _COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, attr = target
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:  # subcommand not built yet
+                return None
+            raise
+        command: click.Command = getattr(module, attr)
+        return command
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="phalanx")
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """phalanx: workers, communication domains and a replicated prefix KV cache."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,43 @@
+"""``phalanx bench NAME``: the benchmarks. Each lives in ``phalanx.serve.bench.<name>``."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name on the command line -> module under phalanx.serve.bench exposing `command`
+_BENCHES: dict[str, str] = {
+    "worker": "worker",
+    "rendezvous": "rendezvous",
+    "domains": "domains",
+    "cache-disk": "cache_disk",
+    "replication": "replication",
+}
+
+
+class _BenchGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(n for n in _BENCHES if self.get_command(ctx, n) is not None)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module_name = _BENCHES.get(cmd_name)
+        if module_name is None:
+            return None
+        full = f"phalanx.serve.bench.{module_name}"
+        try:
+            module = importlib.import_module(full)
+        except ModuleNotFoundError as exc:
+            if exc.name == full:  # not built yet
+                return None
+            raise
+        command: click.Command = module.command
+        return command
+
+
+@click.group(cls=_BenchGroup)
+def bench() -> None:
+    """Benchmarks that run phalanx beside its anchor in the same run and report ratios.
+
+    The last line each prints is one JSON object (with --json).
+    """
