@@ -7,4 +7,21 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+from phalanx.runtime import (
+    Orchestrator,
+    RunHandle,
+    TaskFuture,
+    Worker,
+    WorkerStats,
+    current_rank,
+)
+
+__all__ = [
+    "Orchestrator",
+    "RunHandle",
+    "TaskFuture",
+    "Worker",
+    "WorkerStats",
+    "__version__",
+    "current_rank",
+]

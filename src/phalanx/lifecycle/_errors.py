@@ -37,7 +37,7 @@ class FailpointError(PhalanxError):
         return (type(self), (self.point, self.rank))
 
 
-class CleanupError(PhalanxError, ExceptionGroup):  # type: ignore[misc]
+class CleanupError(PhalanxError, ExceptionGroup):
     """Some cleanup steps failed; every failure is in ``exceptions``.
 
     The steps that failed stay in their journal and a later ``close()`` retries them.

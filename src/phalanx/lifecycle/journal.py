@@ -70,7 +70,7 @@ class CleanupJournal:
                 entry.attempts += 1
                 try:
                     entry.step()
-                except Exception as exc:  # every step runs even if an earlier one failed
+                except Exception as exc:  # noqa: BLE001  every step runs even if an earlier one failed
                     entry.last_error = exc
                     exc.add_note(f"cleanup step {entry.name!r} of {self.owner} failed "
                                  f"(attempt {entry.attempts}); it stays owed")

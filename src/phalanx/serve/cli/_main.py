@@ -52,3 +52,5 @@ def cli(verbose: int) -> None:
 
 def main() -> None:
     cli()
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Errors of the runtime layer (drawn in :mod:`phalanx.errors`).
+
+    PhalanxError
+    └── WorkerError
+        ├── WorkerClosedError      the worker is closing or closed: no new runs
+        ├── WorkerPoisonedError    a cleanup failed or a rank died: only close() is left
+        ├── RankStartError         a rank process did not become ready
+        ├── RankDiedError          a rank process exited while work was outstanding
+        ├── TaskTimeoutError       a task ran past its deadline
+        ├── RunClosedError         a run's orchestrator was used after its orch function returned
+        ├── MessageTooLargeError   a control-channel message exceeds the size limit
+        └── RemoteTaskError        a task raised an exception that could not be sent back as is
+"""
+
+from __future__ import annotations
+
+from phalanx.lifecycle import PhalanxError
+
+
+class WorkerError(PhalanxError):
+    """Base of the runtime layer's errors."""
+
+
+class WorkerClosedError(WorkerError):
+    """The worker no longer admits runs because ``close()`` was called."""
+
+
+class WorkerPoisonedError(WorkerError):
+    """A cleanup failed or a rank died; the worker admits no new runs. Call ``close()``."""
+
+
+class RankStartError(WorkerError):
+    """A rank process failed to start or to become ready before its deadline."""
+
+
+class RankDiedError(WorkerError):
+    """A rank process exited while the parent still expected it to work."""
+
+    def __init__(self, message: str, rank: int, exitcode: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+    def __reduce__(self) -> tuple[type[RankDiedError], tuple[str, int, int | None]]:
+        return (type(self), (str(self), self.rank, self.exitcode))
+
+
+class TaskTimeoutError(WorkerError, TimeoutError):
+    """A task did not finish before its deadline. The rank may still be running it."""
+
+
+class RunClosedError(WorkerError):
+    """``submit`` on a run's orchestrator after its orch function returned."""
+
+
+class MessageTooLargeError(WorkerError, ValueError):
+    """A message for the private parent<->rank control channel is over its size limit."""
+
+
+class RemoteTaskError(WorkerError):
+    """Stands in for a task's exception whose type could not be pickled or unpickled."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+
+    def __reduce__(self) -> tuple[type[RemoteTaskError], tuple[str, str]]:
+        return (type(self), (self.type_name, str(self).partition(": ")[2]))
+
+
+class RemoteTraceback(Exception):
+    """Carries a remote traceback's text as the ``__cause__`` of a task's exception."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb}"""'

@@ -1,0 +1,175 @@
+"""The parent's IO thread: one selector over every rank's channel and stderr pipe.
+
+One thread for all ranks (not one or two per rank) keeps the parent's thread count
+constant in the rank count, and a reply costs one wake-up: select, recv, resolve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO
+
+from ._errors import MessageTooLargeError
+from .channel import HEADER, Kind, check_size
+
+__all__ = ["Hub"]
+
+log = logging.getLogger("phalanx.runtime")
+
+FrameHandler = Callable[[int, Kind, int, bytes], None]
+EofHandler = Callable[[int], None]
+StderrHandler = Callable[[int, str], None]
+
+
+class _Conn:
+    __slots__ = ("buf", "rank", "sock")
+
+    def __init__(self, rank: int, sock: socket.socket) -> None:
+        self.rank = rank
+        self.sock = sock
+        self.buf = bytearray()
+
+
+class Hub:
+    def __init__(
+        self,
+        on_frame: FrameHandler,
+        on_eof: EofHandler,
+        on_stderr: StderrHandler,
+        max_message_bytes: int,
+    ) -> None:
+        self._on_frame = on_frame
+        self._on_eof = on_eof
+        self._on_stderr = on_stderr
+        self._max = max_message_bytes
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._pending: list[Callable[[], None]] = []  # selector changes, run on the hub thread
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="phalanx-hub", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._pending.append(fn)
+        os.write(self._wake_w, b"x")
+
+    def add(self, rank: int, sock: socket.socket, stderr: IO[bytes] | None) -> None:
+        def register() -> None:
+            self._sel.register(sock, selectors.EVENT_READ, _Conn(rank, sock))
+            if stderr is not None:
+                os.set_blocking(stderr.fileno(), False)
+                self._sel.register(stderr, selectors.EVENT_READ, rank)
+
+        self._call_soon(register)
+
+    def remove(self, sock: socket.socket, stderr: IO[bytes] | None, timeout: float = 5.0) -> None:
+        """Unregister a rank's fds and wait until the hub thread no longer touches them."""
+        done = threading.Event()
+
+        def unregister() -> None:
+            for f in (sock, stderr):
+                if f is not None and f.fileno() >= 0:
+                    try:
+                        self._sel.unregister(f)
+                    except (KeyError, ValueError):
+                        pass  # already dropped at EOF
+            done.set()
+
+        if not self._thread.is_alive():
+            unregister()
+            return
+        self._call_soon(unregister)
+        if not done.wait(timeout):
+            raise TimeoutError(f"phalanx hub thread did not unregister a rank within {timeout}s")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        if self._thread.is_alive():
+            os.write(self._wake_w, b"x")
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"phalanx hub thread did not stop within {timeout}s")
+        self._sel.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            for key, _ in self._sel.select():
+                data = key.data
+                if data is None:
+                    self._drain_wakeups()
+                elif isinstance(data, _Conn):
+                    self._read_channel(data)
+                else:
+                    self._read_stderr(data, key.fileobj)  # type: ignore[arg-type]
+
+    def _drain_wakeups(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 4096)
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for fn in pending:
+            fn()
+
+    def _read_channel(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError, TimeoutError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._sel.unregister(conn.sock)
+            self._on_eof(conn.rank)
+            return
+        buf = conn.buf
+        buf += chunk
+        while len(buf) >= HEADER.size:
+            length, kind, msg_id = HEADER.unpack_from(buf)
+            try:
+                check_size(length, self._max, f"a frame from rank {conn.rank}")
+            except MessageTooLargeError:
+                # Ranks check sizes before sending: this is a broken stream, not a big
+                # result. Treat it as the rank's channel closing.
+                log.exception("phalanx hub: rank %d sent a corrupt frame header", conn.rank)
+                self._sel.unregister(conn.sock)
+                self._on_eof(conn.rank)
+                return
+            end = HEADER.size + length
+            if len(buf) < end:
+                break
+            payload = bytes(buf[HEADER.size:end])
+            del buf[:end]
+            try:
+                self._on_frame(conn.rank, Kind(kind), msg_id, payload)
+            except Exception:  # a handler bug must not kill the hub and hang every run
+                log.exception("phalanx hub: handling a frame from rank %d failed", conn.rank)
+
+    def _read_stderr(self, rank: int, f: IO[bytes]) -> None:
+        try:
+            chunk = os.read(f.fileno(), 1 << 16)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self._sel.unregister(f)
+            return
+        text = chunk.decode(errors="replace")
+        self._on_stderr(rank, text)
+        try:
+            sys.stderr.write(text)
+        except (OSError, ValueError):
+            pass  # the parent's stderr is closed; the tail is still kept

@@ -1,0 +1,115 @@
+"""Parent-side handle of one rank process: start it, describe its exit, stop it."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import phalanx
+from phalanx.lifecycle.failpoints import ENV_VAR as FAILPOINTS_ENV
+from phalanx.lifecycle.failpoints import encode_env
+
+from .channel import DEFAULT_MAX_MESSAGE_BYTES
+
+__all__ = ["RankProcess", "describe_exit"]
+
+_STDERR_TAIL_LINES = 40
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+class RankProcess:
+    """One rank's process, its end of the control channel, and its stderr tail.
+
+    The rank runs ``python -m phalanx.runtime.rank_main`` in a fresh interpreter
+    (exec, never a bare fork: safe with threads and torch in the parent), with the
+    parent's stdout and a stderr pipe the hub forwards and remembers.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        failpoints: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.rank = rank
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc_env = dict(os.environ)
+            if env:
+                proc_env.update(env)
+            package_root = str(Path(phalanx.__file__).resolve().parent.parent)
+            proc_env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (package_root, proc_env.get("PYTHONPATH", "")) if p
+            )
+            proc_env.update(
+                PHALANX_RANK=str(rank),
+                PHALANX_PARENT_PID=str(os.getpid()),
+                PHALANX_CHANNEL_FD=str(child_sock.fileno()),
+                PHALANX_MAX_MESSAGE_BYTES=str(max_message_bytes),
+                # PDEATHSIG follows the starting *thread*; see rank_main._die_with_parent.
+                PHALANX_PDEATHSIG="1" if threading.current_thread() is threading.main_thread()
+                else "0",
+            )
+            if failpoints:
+                proc_env[FAILPOINTS_ENV] = encode_env(failpoints)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "phalanx.runtime.rank_main"],
+                pass_fds=(child_sock.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=proc_env,
+            )
+        except BaseException:
+            parent_sock.close()
+            raise
+        finally:
+            child_sock.close()
+        self.sock = parent_sock
+        self.pid = self.proc.pid
+        self._tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
+        self._tail_lock = threading.Lock()
+
+    def remember_stderr(self, text: str) -> None:
+        with self._tail_lock:
+            self._tail.extend(text.splitlines())
+
+    def stderr_tail(self) -> str:
+        with self._tail_lock:
+            return "\n".join(self._tail)
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (pid {self.pid}) {describe_exit(self.proc.poll())}"
+
+    def wait_exit(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def close_fds(self) -> None:
+        self.sock.close()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()

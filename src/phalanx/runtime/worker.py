@@ -1,0 +1,423 @@
+"""The Worker: starts and supervises rank processes and runs orchestration functions.
+
+Lifecycle (``WorkerState``) and the contracts it keeps (DESIGN.md, "Contracts"):
+a failed task fails its run, never the worker; a failed cleanup or a dead rank poisons
+the worker (runs are refused with the reason; ``close()`` is still possible); ``close()``
+is idempotent, bounded, and retries only what its cleanup journal still owes.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import pickle
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import cloudpickle
+
+from phalanx.lifecycle import CleanupError, CleanupJournal, failpoints
+from phalanx.lifecycle.failpoints import Failpoint
+
+from ._errors import (
+    RankDiedError,
+    RankStartError,
+    RemoteTaskError,
+    RemoteTraceback,
+    WorkerClosedError,
+    WorkerPoisonedError,
+)
+from .channel import DEFAULT_MAX_MESSAGE_BYTES, Kind, check_size, encode
+from .hub import Hub
+from .rank_process import RankProcess
+from .run import Orchestrator, Run, RunHandle
+from .stats import WorkerStats
+from .tasks import TaskFuture
+
+__all__ = ["Worker", "WorkerState"]
+
+log = logging.getLogger("phalanx.runtime")
+
+_RUN_ADMITTED = Failpoint("worker.run.admitted", "the parent admitted a run, before its thread")
+_RANKS_SPAWNED = Failpoint("worker.start.ranks_spawned", "rank processes exist, not yet ready")
+_RANKS_STOPPING = Failpoint("worker.close.stop_ranks", "close() is about to stop the ranks")
+
+_EXIT_WAIT_S = 2.0  # after a channel EOF, how long to wait for the rank's exit status
+_KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"  # ranks are being started; no runs yet
+    RUNNING = "running"  # admitting runs (unless poisoned)
+    CLOSING = "closing"  # close() began: no new runs; in-flight runs drain
+    CLOSED = "closed"  # close() finished and owes nothing
+
+
+class Worker:
+    """Starts ``ranks`` rank processes and runs orchestration functions over them.
+
+    >>> with Worker(ranks=2) as w:
+    ...     w.run(lambda o: [f.result() for f in (o.submit(r, abs, -r) for r in o.ranks)])
+    [0, 1]
+    """
+
+    def __init__(
+        self,
+        ranks: int,
+        *,
+        start_timeout: float = 60.0,
+        task_timeout: float = 600.0,
+        close_timeout: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        rank_threads: int = 8,
+        max_concurrent_runs: int = 64,
+        failpoints: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        if ranks < 1:
+            raise ValueError(f"Worker(ranks={ranks}): need at least one rank")
+        self.ranks: tuple[int, ...] = tuple(range(ranks))
+        self.task_timeout = task_timeout
+        self.close_timeout = close_timeout
+        self.max_message_bytes = max_message_bytes
+        self._started_at = time.monotonic()
+        self._state = WorkerState.STARTING
+        self._poison: str | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._run_ids = itertools.count(1)
+        self._tasks: dict[int, TaskFuture] = {}
+        self._runs: dict[int, tuple[Run, threading.Thread]] = {}
+        self._run_slots = threading.BoundedSemaphore(max_concurrent_runs)
+        self._dead: dict[int, RankDiedError] = {}
+        self._procs: dict[int, RankProcess] = {}
+        self._ready: set[int] = set()  # ranks that said READY: only they can stop gracefully
+        self._send_locks = {r: threading.Lock() for r in self.ranks}
+        self._startup: dict[int, queue.Queue[tuple[Kind | None, Any]]] = {
+            r: queue.Queue() for r in self.ranks
+        }
+        self._counts = dict.fromkeys(
+            ("runs_admitted", "runs_retired", "runs_failed", "tasks_submitted",
+             "tasks_succeeded", "tasks_failed"), 0)
+        self.generation = ""
+        self._journal = CleanupJournal("worker")
+        try:
+            self._start(start_timeout, rank_threads, dict(failpoints or {}), dict(env or {}))
+        except BaseException as exc:
+            try:
+                self._journal.run()
+            except CleanupError as cleanup:
+                exc.add_note(f"and rolling back the start failed too: {cleanup!r}")
+            self._state = WorkerState.CLOSED
+            raise
+
+    # -- start-up ---------------------------------------------------------------------
+    def _start(self, timeout: float, threads: int, fps: dict[str, str],
+               env: dict[str, str]) -> None:
+        deadline = time.monotonic() + timeout
+        self._hub = Hub(self._on_frame, self._on_eof, self._on_stderr, self.max_message_bytes)
+        self._hub.start()
+        self._journal.add("stop the hub thread", self._hub.stop)
+        self._journal.add("join run threads", self._join_runs)
+        self._journal.add("stop rank processes", self._stop_ranks)
+        for r in self.ranks:
+            proc = RankProcess(r, max_message_bytes=self.max_message_bytes,
+                               failpoints=fps, env=env)
+            self._procs[r] = proc
+            self._hub.add(r, proc.sock, proc.proc.stderr)
+        _RANKS_SPAWNED.hit()
+        hellos = {r: self._await_startup(r, Kind.HELLO, deadline) for r in self.ranks}
+        token = hellos[0][2]
+        self.generation = token
+        init = pickle.dumps({"sys_path": list(sys.path), "world_size": len(self.ranks),
+                             "generation": token, "threads": threads})
+        for r in self.ranks:
+            self._send(r, Kind.INIT, 0, init)
+        for r in self.ranks:
+            self._await_startup(r, Kind.READY, deadline)
+            self._ready.add(r)
+        self._state = WorkerState.RUNNING
+        log.info("worker %s: %d ranks ready in %.0f ms", token, len(self.ranks),
+                 (time.monotonic() - self._started_at) * 1e3)
+
+    def _await_startup(self, rank: int, want: Kind, deadline: float) -> Any:
+        proc = self._procs[rank]
+        try:
+            kind, payload = self._startup[rank].get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise RankStartError(
+                f"rank {rank} (pid {proc.pid}) did not send {want.name} before the start "
+                f"deadline; it {'is still running' if proc.proc.poll() is None else 'exited'}. "
+                f"stderr tail:\n{proc.stderr_tail() or '(empty)'}"
+            ) from None
+        if kind is None:
+            raise RankStartError(
+                f"{proc.describe()} before it was ready. stderr tail:\n"
+                f"{proc.stderr_tail() or '(empty)'}"
+            ) from payload
+        if kind is not want:
+            raise RankStartError(f"rank {rank} sent {kind.name} instead of {want.name}")
+        return pickle.loads(payload) if payload else None
+
+    # -- hub callbacks (hub thread) ---------------------------------------------------
+    def _on_frame(self, rank: int, kind: Kind, msg_id: int, payload: bytes) -> None:
+        if kind in (Kind.RESULT_OK, Kind.RESULT_ERR):
+            with self._lock:
+                fut = self._tasks.pop(msg_id, None)
+            if fut is None:
+                log.error("rank %d: reply for unknown task id %d", rank, msg_id)
+                return
+            if kind is Kind.RESULT_OK:
+                try:
+                    value = pickle.loads(payload)
+                except Exception as exc:  # noqa: BLE001  a result type the parent cannot import
+                    fut.set_exception(RemoteTaskError(type(exc).__name__,
+                                                      f"could not unpickle the result: {exc}"))
+                else:
+                    fut.set_result(value)
+                    self._count("tasks_succeeded")
+                    return
+            else:
+                fut.set_exception(self._decode_error(rank, fut, payload))
+            self._count("tasks_failed")
+        else:
+            self._startup[rank].put((kind, payload))
+
+    def _decode_error(self, rank: int, fut: TaskFuture, payload: bytes) -> BaseException:
+        blob, tb = pickle.loads(payload)
+        try:
+            exc: BaseException = pickle.loads(blob)
+        except Exception as err:  # noqa: BLE001  exception class importable in the rank only
+            exc = RemoteTaskError(type(err).__name__, f"could not unpickle: {err}")
+        exc.__cause__ = RemoteTraceback(tb)
+        exc.add_note(f"raised by task {fut.name} (id {fut.task_id}) in rank {rank}")
+        return exc
+
+    def _on_eof(self, rank: int) -> None:
+        proc = self._procs[rank]
+        proc.wait_exit(_EXIT_WAIT_S)
+        self._hub_flush_stderr(proc)
+        with self._lock:
+            closing = self._state in (WorkerState.CLOSING, WorkerState.CLOSED)
+            why = "stopped by Worker.close()" if closing else "died"
+            err = RankDiedError(
+                f"{proc.describe()}: the rank {why} while tasks were outstanding. "
+                f"stderr tail:\n{proc.stderr_tail() or '(empty)'}",
+                rank, proc.proc.poll(),
+            )
+            self._dead[rank] = err
+            doomed = [f for f in self._tasks.values() if f.rank == rank]
+            for f in doomed:
+                del self._tasks[f.task_id]
+            if not closing and self._state is not WorkerState.STARTING and self._poison is None:
+                self._poison = f"{proc.describe()}"
+        if self._state is WorkerState.RUNNING:
+            log.error("%s; stderr tail:\n%s", proc.describe(), proc.stderr_tail())
+        for f in doomed:
+            f.set_exception(err)
+            self._count("tasks_failed")
+        self._startup[rank].put((None, err))
+
+    def _hub_flush_stderr(self, proc: RankProcess) -> None:
+        stderr = proc.proc.stderr
+        if stderr is None:
+            return
+        try:
+            while chunk := stderr.read1(1 << 16) if hasattr(stderr, "read1") else b"":
+                proc.remember_stderr(chunk.decode(errors="replace"))
+        except (BlockingIOError, OSError, ValueError):
+            pass  # nothing more right now; the hub forwards the rest
+
+    def _on_stderr(self, rank: int, text: str) -> None:
+        self._procs[rank].remember_stderr(text)
+
+    # -- runs -------------------------------------------------------------------------
+    def _check_admitting(self) -> None:
+        if self._state is not WorkerState.RUNNING:
+            raise WorkerClosedError(f"worker {self.generation} is {self._state.value}: no new runs")
+        if self._poison is not None:
+            raise WorkerPoisonedError(
+                f"worker {self.generation} is poisoned: {self._poison}. It admits no new runs; "
+                f"only close() is left"
+            )
+
+    def submit(self, orch_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> RunHandle:
+        """Start ``orch_fn(orch, *args, **kwargs)`` on a run thread; returns its handle."""
+        with self._lock:
+            self._check_admitting()
+        if not self._run_slots.acquire(timeout=self.task_timeout):
+            raise TimeoutError(f"worker {self.generation}: no run slot freed within "
+                               f"{self.task_timeout}s (max_concurrent_runs reached)")
+        run = Run(next(self._run_ids), getattr(orch_fn, "__qualname__", repr(orch_fn)), self)
+        thread = threading.Thread(
+            target=run.execute, args=(orch_fn, args, kwargs, Orchestrator(run)),
+            name=f"phalanx-run-{run.run_id}", daemon=True,
+        )
+        with self._lock:
+            try:
+                self._check_admitting()
+                _RUN_ADMITTED.hit()
+            except BaseException:
+                self._run_slots.release()
+                raise
+            self._runs[run.run_id] = (run, thread)
+            self._counts["runs_admitted"] += 1
+        thread.start()
+        return RunHandle(run)
+
+    def run(self, orch_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``submit(...).result()``: the orch function's value once the run settled."""
+        return self.submit(orch_fn, *args, **kwargs).result()
+
+    def _run_retired(self, run: Run) -> None:
+        with self._lock:
+            self._counts["runs_retired"] += 1
+            if run.error is not None:
+                self._counts["runs_failed"] += 1
+            if run.cleanup_error is not None and self._poison is None:
+                self._poison = f"cleanup of run {run.run_id} failed: {run.cleanup_error!r}"
+            self._runs.pop(run.run_id, None)
+        self._run_slots.release()
+
+    def _submit_task(self, run: Run, rank: int, fn: Callable[..., Any], args: tuple[Any, ...],
+                     kwargs: dict[str, Any], timeout: float | None,
+                     control: bool = False) -> TaskFuture:
+        if rank not in self._send_locks:
+            raise ValueError(f"rank {rank} is not a rank of this worker (ranks {self.ranks})")
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        payload = cloudpickle.dumps((fn, args, kwargs))
+        check_size(len(payload), self.max_message_bytes, f"task {name} for rank {rank}")
+        fut = TaskFuture(rank, next(self._ids), name, run.run_id,
+                         self.task_timeout if timeout is None else timeout)
+        run.add_task(fut)
+        with self._lock:
+            dead = self._dead.get(rank)
+            if dead is None:
+                self._tasks[fut.task_id] = fut
+            self._counts["tasks_submitted"] += 1
+        if dead is not None:
+            fut.set_exception(dead)
+            return fut
+        try:
+            self._send(rank, Kind.CONTROL if control else Kind.TASK, fut.task_id, payload)
+        except OSError:
+            pass  # the rank is gone: the hub's EOF handler fails this task with the cause
+        return fut
+
+    def _send(self, rank: int, kind: Kind, msg_id: int, payload: bytes) -> None:
+        frame = encode(kind, msg_id, payload)
+        with self._send_locks[rank]:
+            self._procs[rank].sock.sendall(frame)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    # -- failpoints -------------------------------------------------------------------
+    def arm_failpoint(self, name: str, spec: str = "raise", *, ranks: Any = "all") -> None:
+        """Arm failpoint ``name`` in rank processes (``ranks``: "all", an int or a list)."""
+        targets = self.ranks if ranks == "all" else ([ranks] if isinstance(ranks, int) else ranks)
+        failpoints.parse_spec(spec)
+        self.run(_arm_in_ranks, list(targets), name, spec)
+
+    def disarm_failpoints(self) -> None:
+        self.run(_arm_in_ranks, list(self.ranks), None, None)
+
+    # -- stats ------------------------------------------------------------------------
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            alive = sum(1 for p in self._procs.values() if p.proc.poll() is None)
+            return WorkerStats(
+                ranks=len(self.ranks), ranks_alive=alive, state=self._state.value,
+                poisoned=self._poison, runs_in_flight=len(self._runs),
+                uptime_s=time.monotonic() - self._started_at, generation=self.generation,
+                runs_admitted=self._counts["runs_admitted"],
+                runs_retired=self._counts["runs_retired"],
+                runs_failed=self._counts["runs_failed"],
+                tasks_submitted=self._counts["tasks_submitted"],
+                tasks_succeeded=self._counts["tasks_succeeded"],
+                tasks_failed=self._counts["tasks_failed"],
+            )
+
+    @property
+    def state(self) -> WorkerState:
+        return self._state
+
+    # -- close ------------------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> None:
+        """Stop admitting runs, drain in-flight ones, release, stop and reap the ranks.
+
+        Bounded by ``timeout`` (default ``close_timeout``). Every failure is reported in
+        one CleanupError; a second call retries only the steps still owed.
+        """
+        with self._lock:
+            if self._state is WorkerState.CLOSED:
+                return
+            self._state = WorkerState.CLOSING
+        self._close_deadline = time.monotonic() + (self.close_timeout if timeout is None
+                                                   else timeout)
+        for run, _ in list(self._runs.values()):
+            run.retired.wait(max(0.0, self._close_deadline - time.monotonic()))
+        self._journal.run()
+        self._state = WorkerState.CLOSED
+
+    def _stop_ranks(self) -> None:
+        _RANKS_STOPPING.hit()
+        live = [p for p in self._procs.values() if p.proc.poll() is None]
+        for p in live:
+            if p.rank not in self._ready:
+                p.kill()  # never served: nothing to finish gracefully
+                continue
+            try:
+                self._send(p.rank, Kind.SHUTDOWN, 0, b"")
+            except OSError:
+                pass  # already gone; reaped below
+        deadline = getattr(self, "_close_deadline", time.monotonic() + self.close_timeout)
+        stuck: list[str] = []
+        for p in live:
+            if p.wait_exit(max(0.0, deadline - time.monotonic())) is None:
+                log.warning("%s did not stop by the close deadline: killing it", p.describe())
+                p.kill()
+                if p.wait_exit(_KILL_WAIT_S) is None:
+                    stuck.append(p.describe())
+        if stuck:
+            raise RankDiedError(f"could not reap {', '.join(stuck)} after SIGKILL", -1, None)
+        for p in self._procs.values():
+            self._hub.remove(p.sock, p.proc.stderr)
+            p.close_fds()
+
+    def _join_runs(self) -> None:
+        deadline = getattr(self, "_close_deadline", time.monotonic() + self.close_timeout)
+        stuck = []
+        for run, thread in list(self._runs.values()):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                stuck.append(f"run {run.run_id} ({run.name}, {run.state.value})")
+        if stuck:
+            raise TimeoutError(f"runs did not retire by the close deadline: {', '.join(stuck)}")
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Worker {self.generation} ranks={len(self.ranks)} {self._state.value}>"
+
+
+def _arm_in_ranks(o: Orchestrator, ranks: list[int], name: str | None, spec: str | None) -> None:
+    for f in [o.control(r, _arm_here, name, spec) for r in ranks]:
+        f.result()
+
+
+def _arm_here(name: str | None, spec: str | None) -> None:
+    if name is None:
+        failpoints.disarm_all()
+    else:
+        failpoints.arm(name, spec or "raise")
