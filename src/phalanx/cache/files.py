@@ -1,0 +1,162 @@
+"""File steps of the store: write a record, thin it, remove it, purge, quarantine.
+
+Storage discipline: a record is written to a new temp file (O_EXCL, 0600), committed by
+rename, and only then is anything it replaces gone; a crash leaves the old state or
+the new one plus, at most, a temp file the next open purges. Every step carries a
+failpoint; a failure before the commit removes the temp file, after it undoes the
+commit, so the caller's error always means "nothing changed".
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+from collections.abc import Sequence
+
+from phalanx.lifecycle.failpoints import Failpoint
+
+from ._errors import DiskFullError, StoreWriteError
+from .record import RecordHeader, record_name
+
+__all__ = [
+    "QUARANTINE_DIR",
+    "TEMP_SUFFIX",
+    "is_temp_name",
+    "purge_temp",
+    "quarantine",
+    "remove_record",
+    "thin_record",
+    "write_record",
+]
+
+TEMP_SUFFIX = ".tmp"
+QUARANTINE_DIR = "quarantine"
+
+_FP_TEMP_OPENED = Failpoint("cache.store.temp_opened", "record temp file created, empty")
+_FP_TEMP_WRITTEN = Failpoint("cache.store.temp_written", "record temp file written, not renamed")
+_FP_COMMITTED = Failpoint("cache.store.committed", "record renamed into place, not indexed")
+_FP_THIN_WRITTEN = Failpoint("cache.thin.temp_written", "thinned header written, not renamed")
+_FP_THIN_COMMITTED = Failpoint("cache.thin.committed", "thinned header renamed over the row")
+_FP_REMOVE = Failpoint("cache.remove.unlinking", "record file about to be unlinked")
+_FP_PURGE = Failpoint("cache.purge.unlinking", "stale temp file about to be unlinked")
+_FP_QUARANTINE = Failpoint("cache.quarantine.moving", "bad file about to be moved aside")
+
+_counter = itertools.count()
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def _temp_path(directory: str, key: bytes) -> str:
+    return os.path.join(directory, f".{key.hex()}.{os.getpid()}.{next(_counter)}{TEMP_SUFFIX}")
+
+
+def _write_all(fd: int, bufs: Sequence[bytes | memoryview]) -> None:
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_error(directory: str, key: bytes, what: str, exc: OSError) -> StoreWriteError:
+    cls = DiskFullError if exc.errno in (errno.ENOSPC, errno.EDQUOT) else StoreWriteError
+    hint = "free disk space or lower capacity_bytes" if cls is DiskFullError else (
+        "check the directory's permissions and disk health")
+    return cls(
+        f"{what} of record {key.hex()} in {directory} failed: "
+        f"[errno {exc.errno} {errno.errorcode.get(exc.errno or 0, '?')}] {exc.strerror}; "
+        f"nothing was committed, the cache keeps serving; {hint}"
+    )
+
+
+def _commit(directory: str, key: bytes, bufs: Sequence[bytes | memoryview], fsync: bool,
+            written: Failpoint, committed: Failpoint, what: str) -> None:
+    final = os.path.join(directory, record_name(key))
+    tmp = _temp_path(directory, key)
+    renamed = False
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            _FP_TEMP_OPENED.hit()
+            _write_all(fd, bufs)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        written.hit()
+        os.rename(tmp, final)
+        renamed = True
+        if fsync:
+            _fsync_dir(directory)
+        committed.hit()
+    except BaseException as exc:  # undo on anything, KeyboardInterrupt included, re-raised
+        try:
+            if renamed and what == "write":
+                _unlink_quiet(final)  # undo the commit: the caller never indexed it
+            elif not renamed:
+                _unlink_quiet(tmp)
+        except OSError:
+            pass  # the next open purges a temp; a committed file is recovered as a record
+        if isinstance(exc, OSError):
+            raise _write_error(directory, key, what, exc) from exc
+        raise
+
+
+def write_record(directory: str, header: RecordHeader, row: memoryview, fsync: bool) -> None:
+    """Write header + row as ``<key>.kv`` via temp + rename. Raises StoreWriteError."""
+    _commit(directory, header.key, [header.encode(), row], fsync,
+            _FP_TEMP_WRITTEN, _FP_COMMITTED, "write")
+
+
+def thin_record(directory: str, thinned: RecordHeader, fsync: bool) -> None:
+    """Replace a record's file by its header alone (flag THINNED), atomically."""
+    _commit(directory, thinned.key, [thinned.encode()], fsync,
+            _FP_THIN_WRITTEN, _FP_THIN_COMMITTED, "thin")
+
+
+def remove_record(directory: str, key: bytes) -> None:
+    _FP_REMOVE.hit()
+    _unlink_quiet(os.path.join(directory, record_name(key)))
+
+
+def purge_temp(directory: str, name: str) -> None:
+    if not is_temp_name(name):  # never delete what is not ours by name
+        raise ValueError(f"{name!r} is not a temp file name")
+    _FP_PURGE.hit()
+    _unlink_quiet(os.path.join(directory, name))
+
+
+def quarantine(directory: str, name: str, delete: bool) -> None:
+    """Move a bad file into ``DIR/quarantine/`` (or delete it, by policy)."""
+    _FP_QUARANTINE.hit()
+    src = os.path.join(directory, name)
+    if delete:
+        _unlink_quiet(src)
+        return
+    aside = os.path.join(directory, QUARANTINE_DIR)
+    os.makedirs(aside, mode=0o700, exist_ok=True)
+    try:
+        os.rename(src, os.path.join(aside, name))
+    except FileNotFoundError:
+        pass

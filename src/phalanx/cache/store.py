@@ -1,0 +1,495 @@
+"""``DiskStore``: the single-rank persistent prefix-cache store.
+
+One directory per rank and model. Records are span files (see record.py); the index
+(index.py) is rebuilt from their headers at open (recovery.py); maintenance is a stream
+of jobs (maintenance.py) applied in bounded bursts by ``poll()``.
+
+Thread safety: one mutex guards the index and counters. File writes and load reads run
+outside it; a load pins the records it reads so maintenance defers jobs on them.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ._errors import (
+    CapacityError,
+    NotCachedError,
+    RecordCorruptError,
+    RowSpanError,
+    StoreClosedError,
+)
+from .buffers import as_byte_view
+from .files import is_temp_name, purge_temp, quarantine, remove_record, thin_record, write_record
+from .geometry import Geometry
+from .index import Record
+from .keys import ROOT_KEY, KeyChain, Tokens, fingerprint_digest, page_keys
+from .lock import DirLock
+from .maintenance import Job, JobKind, JobOutcome, Scheduler
+from .manifest import check_or_create
+from .record import FLAG_THINNED, RECORD_SUFFIX, RecordHeader, page_crcs, record_name
+from .recovery import build_index, read_header, scan
+from .stats import CacheStats
+
+__all__ = ["DiskStore", "StoreResult"]
+
+log = logging.getLogger("phalanx.cache")
+
+BadFilePolicy = Literal["quarantine", "delete"]
+
+
+class _State(enum.Enum):
+    OPEN = "open"  # serving and accepting maintenance
+    CLOSED = "closed"  # lock released; every call raises StoreClosedError
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    key: bytes  # key of the record's end page
+    start_page: int
+    end_page: int
+    stored: bool  # False: every page was cached already (nothing written)
+    bytes_written: int
+
+
+class DiskStore:
+    """Persistent prefix-cache records of one rank in ``directory``.
+
+    ``capacity_bytes`` bounds the bytes of record files (headers included);
+    ``max_age`` (seconds, None for never) bounds a leaf record's age; ``fsync=True``
+    makes every commit durable (off by default: a cache can lose its newest records
+    on power loss, and the page CRCs catch torn ones). ``clock`` gives wall time
+    (tests pass their own to age records without sleeping).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        geometry: Geometry,
+        fingerprint: str | bytes,
+        capacity_bytes: int,
+        max_age: float | None = None,
+        *,
+        fsync: bool = False,
+        max_jobs_per_poll: int = 32,
+        bad_files: BadFilePolicy = "quarantine",
+        clock: Callable[[], float] = time.time,
+        progress: bool = True,
+        on_job: Callable[[Job], None] | None = None,
+    ) -> None:
+        if capacity_bytes <= 0 or max_jobs_per_poll <= 0:
+            raise ValueError("capacity_bytes and max_jobs_per_poll must be positive")
+        self.directory = os.fspath(directory)
+        self.geometry = geometry
+        self.fingerprint = fingerprint_digest(fingerprint)
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.max_jobs_per_poll = max_jobs_per_poll
+        self.bad_files = bad_files
+        self._on_job = on_job
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        self._lock = DirLock(self.directory)  # first: touch nothing before owning the dir
+        try:
+            check_or_create(self.directory, geometry, self.fingerprint)
+            result = scan(self.directory, geometry, self.fingerprint, progress=progress)
+            self._index = build_index(result.headers)
+        except BaseException:  # release the lock on any failure, then re-raise as is
+            self._lock.release()
+            raise
+        self._scheduler = Scheduler(self._index, capacity_bytes, max_age, clock)
+        self._scheduler.temps.update(dict.fromkeys(result.temps))
+        self._scheduler.bad.update(dict.fromkeys(name for name, _ in result.bad))
+        self._clock = clock
+        self._mutex = threading.RLock()
+        self._state = _State.OPEN
+        self._reserved = 0  # bytes of writes in flight, counted against capacity
+        self._inflight: set[bytes] = set()  # end keys being written
+        self._stats = CacheStats(capacity_bytes=capacity_bytes, recovered=len(result.headers),
+                                 skipped=result.skipped())
+        ix = self._index
+        log.info(
+            "cache %s: recovered %d records (%d bytes, %d orphans, %d thinnable) in %.2fs; "
+            "%d temp files, skipped %s", self.directory, len(ix.records), ix.bytes,
+            len(ix.orphans), len(ix.thin_candidates), result.seconds, len(result.temps),
+            result.skipped() or "none",
+        )
+
+    # -- lifecycle -------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the directory lock. Idempotent; loads already reading finish."""
+        with self._mutex:
+            if self._state is _State.CLOSED:
+                return
+            self._state = _State.CLOSED
+            self._lock.release()
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._state is not _State.OPEN:
+            raise StoreClosedError(f"cache store {self.directory} is closed")
+
+    # -- store / lookup / load ---------------------------------------------------------
+    def chain(self, tokens: Tokens) -> KeyChain:
+        """The key chain of ``tokens`` for this store's model and page size."""
+        return KeyChain(self._keys(tokens), self.geometry.page_tokens, self.fingerprint)
+
+    def _keys(self, tokens: Tokens | KeyChain, limit: int | None = None) -> list[bytes]:
+        if isinstance(tokens, KeyChain):
+            if (tokens.page_tokens, tokens.fingerprint) != (
+                self.geometry.page_tokens, self.fingerprint
+            ):
+                raise RowSpanError("KeyChain was made for another model or page size")
+            if not tokens.keys:
+                raise RowSpanError("an empty KeyChain has no page to cache")
+            return tokens.keys if limit is None else tokens.keys[:limit]
+        return page_keys(tokens, self.geometry.page_tokens, self.fingerprint, limit)
+
+    def store(self, tokens: Tokens | KeyChain, row: Any) -> StoreResult:
+        """Store the KV ``row`` of the last ``len(row) / page_bytes`` full pages of tokens.
+
+        A row may start at any page up to the cached prefix (overlapping cached pages
+        is allowed: maintenance thins the rows it makes redundant). Raises RowSpanError
+        for bad sizes or a gap, CapacityError, StoreWriteError/DiskFullError (nothing
+        visible; the store keeps serving).
+        """
+        view = as_byte_view(row)
+        pb = self.geometry.page_bytes
+        if not view.nbytes or view.nbytes % pb:
+            raise RowSpanError(
+                f"row of {view.nbytes} bytes is not a positive multiple of the page size "
+                f"{pb} ({self.geometry})"
+            )
+        keys = self._keys(tokens)
+        end = len(keys)
+        start = end - view.nbytes // pb
+        if start < 0:
+            raise RowSpanError(f"row holds {view.nbytes // pb} pages, tokens only {end}")
+        header = RecordHeader(
+            self.geometry, self.fingerprint, keys[-1], keys[start - 1] if start else ROOT_KEY,
+            start, end, view.nbytes, 0.0, keys[start:], [],
+        )
+        size = header.file_len
+        with self._mutex:
+            self._check_open()
+            cached = self._index.cached_pages(keys)
+            if cached >= end or keys[-1] in self._inflight:
+                self._stats.stores_skipped += 1
+                return StoreResult(keys[-1], start, end, False, 0)
+            if start > cached:
+                raise RowSpanError(
+                    f"row covers pages {start}..{end} but only {cached} pages are cached: a "
+                    f"row must start at or before page {cached} (no gaps)"
+                )
+            self._make_room_locked(size)
+            self._reserved += size
+            self._inflight.add(keys[-1])
+        try:
+            header.crcs = page_crcs(view, pb)
+            header.created = self._clock()
+            write_record(self.directory, header, view, self.fsync)
+        finally:
+            with self._mutex:
+                self._reserved -= size
+                self._inflight.discard(keys[-1])
+        with self._mutex:
+            rec = Record(header.key, header.parent, start, end, view.nbytes, size,
+                         header.created, thinned=False, verified=True)
+            parent = self._index.root if start == 0 else self._index.nodes.get(keys[start - 1])
+            if parent is None or self._state is not _State.OPEN:
+                self._index.add_orphan(rec)  # its prefix was evicted meanwhile: drop later
+            else:
+                self._index.add(rec, keys[start:], parent)
+            self._stats.stores += 1
+            self._stats.stored_bytes += view.nbytes
+        return StoreResult(keys[-1], start, end, True, size)
+
+    def lookup(self, tokens: Tokens | KeyChain) -> int:
+        """Pages of the longest cached page-aligned prefix of ``tokens`` (0 on a miss).
+
+        A token list shorter than a page is a miss, not an error.
+        """
+        pt = self.geometry.page_tokens
+        short = len(tokens) < (1 if isinstance(tokens, KeyChain) else pt)
+        keys = [] if short else self._keys(tokens)
+        with self._mutex:
+            self._check_open()
+            n = self._index.cached_pages(keys)
+            if n:
+                self._stats.hits += 1
+                self._stats.hit_tokens += n * pt
+                for rec, _, _ in self._index.plan(keys, n):
+                    self._index.touch(rec)
+            else:
+                self._stats.misses += 1
+            return n
+
+    def load(self, tokens: Tokens | KeyChain, n_pages: int, out: Any = None) -> memoryview:
+        """The KV bytes of the first ``n_pages`` pages, as a flat byte memoryview.
+
+        ``numpy.frombuffer(view, dtype)`` and ``torch.frombuffer`` wrap it without a
+        copy. Pass ``out`` (a writable buffer of n_pages * page_bytes) to read into
+        memory you own (pinned, preallocated). Raises NotCachedError or
+        RecordCorruptError (that record is never served again).
+        """
+        pb = self.geometry.page_bytes
+        keys = self._keys(tokens, limit=n_pages)
+        buf = bytearray(n_pages * pb) if out is None else out
+        dst = memoryview(buf).cast("B")
+        if dst.nbytes != n_pages * pb or dst.readonly:
+            raise RowSpanError(f"out must be a writable buffer of {n_pages * pb} bytes")
+        with self._mutex:
+            self._check_open()
+            cached = self._index.cached_pages(keys)
+            if n_pages <= 0 or cached < n_pages:
+                raise NotCachedError(
+                    f"load of {n_pages} pages from {self.directory}: only {cached} cached; "
+                    "call lookup() first and load at most what it returns"
+                )
+            pieces = self._index.plan(keys, n_pages)
+            for rec, _, _ in pieces:
+                rec.pins += 1  # maintenance defers jobs on pinned records
+                self._index.touch(rec)
+        try:
+            for rec, first, stop in pieces:
+                self._read_piece(rec, first, stop, dst[first * pb : stop * pb])
+        finally:
+            with self._mutex:
+                for rec, _, _ in pieces:
+                    rec.pins -= 1
+        with self._mutex:
+            self._stats.loads += 1
+            self._stats.loaded_bytes += dst.nbytes
+        return dst
+
+    def _read_piece(self, rec: Record, first: int, stop: int, dst: memoryview) -> None:
+        pb = self.geometry.page_bytes
+        path = os.path.join(self.directory, record_name(rec.key))
+        header_len = rec.file_len - rec.row_len
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                got = 0
+                while got < dst.nbytes:
+                    n = os.preadv(fd, [dst[got:]], header_len + (first - rec.start) * pb + got)
+                    if n == 0:
+                        raise OSError(0, "file shorter than its header says")
+                    got += n
+                crcs = None if rec.verified else read_header(path).crcs
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as exc:
+            self._corrupt(rec, f"unreadable: {exc}")
+            raise RecordCorruptError(
+                f"record {rec.key.hex()} in {self.directory} could not be read ({exc}); it is "
+                "dropped from the index; the prefix will be recomputed"
+            ) from exc
+        if crcs is not None:
+            for i in range(stop - first):
+                if zlib.crc32(dst[i * pb : (i + 1) * pb]) != crcs[first - rec.start + i]:
+                    self._corrupt(rec, f"page {first + i} checksum mismatch")
+                    raise RecordCorruptError(
+                        f"record {rec.key.hex()} in {self.directory}: page {first + i} failed "
+                        "its checksum (torn write or bit rot); it is moved aside and never "
+                        "served; the prefix will be recomputed"
+                    )
+            if first == rec.start and stop == rec.end:
+                rec.verified = True  # every page checked once; the page cache holds them
+
+    def _corrupt(self, rec: Record, why: str) -> None:
+        log.warning("cache %s: record %s is corrupt (%s)", self.directory, rec.key.hex(), why)
+        with self._mutex:
+            self._stats.corrupt_loads += 1
+            if self._index.records.get(rec.key) is rec and not rec.thinned:
+                self._index.remove(rec)
+            if self._index.forget_orphan(rec.key) is not None:
+                self._scheduler.bad[record_name(rec.key)] = None
+
+    # -- maintenance -----------------------------------------------------------------
+    def poll(self, max_jobs: int | None = None) -> int:
+        """Decide and apply at most ``max_jobs`` maintenance jobs; return how many ran."""
+        limit = self.max_jobs_per_poll if max_jobs is None else max_jobs
+        done = 0
+        with self._mutex:
+            self._check_open()
+            self._scheduler.begin_burst()
+            while done < limit:
+                job = self._scheduler.next_job()
+                if job is None:
+                    break
+                if self._apply_locked(job) is JobOutcome.DEFERRED:
+                    self._scheduler.defer(job)
+                    continue
+                done += 1
+                if self._on_job is not None:
+                    self._on_job(job)
+        return done
+
+    def pending(self) -> int:
+        """Known maintenance jobs still queued (0 once maintenance is through)."""
+        with self._mutex:
+            return self._scheduler.queued()
+
+    def make_room(self, nbytes: int) -> int:
+        """Evict LRU leaves until ``nbytes`` more fit under capacity; return evictions."""
+        with self._mutex:
+            self._check_open()
+            return self._make_room_locked(nbytes)
+
+    def _make_room_locked(self, nbytes: int) -> int:
+        if nbytes > self.capacity_bytes:
+            raise CapacityError(
+                f"a record of {nbytes} bytes exceeds the capacity of {self.directory} "
+                f"({self.capacity_bytes} bytes); raise capacity_bytes or store shorter rows"
+            )
+        ix = self._index
+        n = 0
+        while ix.bytes + self._reserved + nbytes > self.capacity_bytes:
+            orphan = next((r for r in ix.orphans.values() if not r.pins), None)
+            victim = ix.lru_leaf() if orphan is None else None
+            if orphan is None and victim is None:
+                raise CapacityError(
+                    f"cannot make room for {nbytes} bytes in {self.directory}: "
+                    f"{ix.bytes} bytes held, {self._reserved} in flight, nothing evictable "
+                    "(all pinned by loads); retry after the loads finish"
+                )
+            kind = JobKind.DROP if orphan is not None else JobKind.EVICT
+            rec = orphan if orphan is not None else victim
+            assert rec is not None
+            job = Job.for_record(kind, rec)
+            self._apply_locked(job)
+            n += 1
+            if self._on_job is not None:
+                self._on_job(job)
+        return n
+
+    def apply_job(self, job: Job) -> JobOutcome:
+        """Apply one job to this directory (what a peer rank does with rank 0's jobs)."""
+        with self._mutex:
+            self._check_open()
+            return self._apply_locked(job)
+
+    def _apply_locked(self, job: Job) -> JobOutcome:
+        outcome = _APPLY[job.kind](self, job)
+        if outcome is JobOutcome.DEFERRED:
+            self._stats.maintenance_deferred += 1
+        else:
+            self._stats.maintenance_done += 1
+        return outcome
+
+    def _apply_purge(self, job: Job) -> JobOutcome:
+        if not is_temp_name(job.name):
+            return JobOutcome.NOOP
+        purge_temp(self.directory, job.name)
+        self._scheduler.temps.pop(job.name, None)
+        self._stats.temps_purged += 1
+        return JobOutcome.DONE
+
+    def _apply_quarantine(self, job: Job) -> JobOutcome:
+        quarantine(self.directory, job.name, delete=self.bad_files == "delete")
+        self._scheduler.bad.pop(job.name, None)
+        self._stats.quarantined += 1
+        return JobOutcome.DONE
+
+    def _apply_drop(self, job: Job) -> JobOutcome:
+        rec = self._index.orphans.get(job.key)
+        if rec is None:
+            return JobOutcome.NOOP
+        if rec.pins:
+            return JobOutcome.DEFERRED
+        remove_record(self.directory, rec.key)
+        self._index.forget_orphan(rec.key)
+        self._stats.dropped += 1
+        return JobOutcome.DONE
+
+    def _apply_remove(self, job: Job) -> JobOutcome:
+        rec = self._index.records.get(job.key)
+        if rec is None or not self._index.is_leaf(rec):
+            return JobOutcome.NOOP
+        if rec.pins:
+            return JobOutcome.DEFERRED
+        self._index.remove(rec)  # stop serving first; the file goes after
+        remove_record(self.directory, rec.key)
+        self._index.forget_orphan(rec.key)
+        if job.kind is JobKind.EXPIRE:
+            self._stats.expirations += 1
+        else:
+            self._stats.evictions += 1
+        return JobOutcome.DONE
+
+    def _apply_thin(self, job: Job) -> JobOutcome:
+        ix = self._index
+        rec = ix.records.get(job.key)
+        if rec is None or not ix.is_thinnable(rec):
+            ix.thin_candidates.pop(job.key, None)
+            return JobOutcome.NOOP
+        if rec.pins:
+            return JobOutcome.DEFERRED
+        keys = [n.key for n in ix.span_nodes(rec)]
+        header = RecordHeader(self.geometry, self.fingerprint, rec.key, rec.parent, rec.start,
+                              rec.end, 0, rec.created, keys, [0] * len(keys), FLAG_THINNED)
+        thin_record(self.directory, header, self.fsync)
+        ix.thin(rec, header.file_len)
+        self._stats.rows_thinned += 1
+        return JobOutcome.DONE
+
+    # -- audit and stats ---------------------------------------------------------------
+    def check(self) -> list[str]:
+        """Audit the index against the directory; returns problems (empty when sound)."""
+        with self._mutex:
+            ix = self._index
+            problems = ix.problems()
+            on_disk: dict[str, int] = {}
+            with os.scandir(self.directory) as it:
+                for e in it:
+                    if e.name.endswith(RECORD_SUFFIX) and e.is_file():
+                        on_disk[e.name] = e.stat().st_size
+                    elif is_temp_name(e.name) and e.name not in self._scheduler.temps and (
+                        not self._inflight
+                    ):
+                        problems.append(f"temp file {e.name} not queued for purging")
+            for rec in [*ix.records.values(), *ix.orphans.values()]:
+                name = record_name(rec.key)
+                size = on_disk.pop(name, None)
+                if size != rec.file_len:
+                    problems.append(f"record {name}: {size} bytes on disk, index {rec.file_len}")
+            for name in on_disk:
+                if name not in self._scheduler.bad and not self._inflight:
+                    problems.append(f"file {name} on disk is not in the index")
+            if ix.bytes > self.capacity_bytes and not self._scheduler.queued() and (
+                ix.lru_leaf() is None
+            ):
+                problems.append(f"{ix.bytes} bytes over capacity with nothing evictable")
+            return problems
+
+    def statistics(self) -> CacheStats:
+        with self._mutex:
+            ix = self._index
+            s = self._stats
+            s.records = len(ix.records)
+            s.thinned_records = sum(1 for r in ix.records.values() if r.thinned)
+            s.bytes = ix.bytes
+            s.maintenance_queued = self._scheduler.queued()
+            return CacheStats(**{f: getattr(s, f) for f in s.__struct_fields__})
+
+
+_APPLY: dict[JobKind, Callable[[DiskStore, Job], JobOutcome]] = {
+    JobKind.PURGE_TEMP: DiskStore._apply_purge,
+    JobKind.QUARANTINE: DiskStore._apply_quarantine,
+    JobKind.DROP: DiskStore._apply_drop,
+    JobKind.EXPIRE: DiskStore._apply_remove,
+    JobKind.EVICT: DiskStore._apply_remove,
+    JobKind.THIN: DiskStore._apply_thin,
+}
