@@ -1,0 +1,135 @@
+"""Store / lookup / load round trips, thinning, recovery of the same state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import phalanx.cache
+from cache_util import FP, GEOM, PB, Clock, Stores, build_tree, page_row, record_files, stores
+from phalanx.cache import NotCachedError, RowSpanError
+
+__all__ = ["stores"]  # the fixture, imported for pytest
+
+PT = GEOM.page_tokens
+
+
+def expect_all(store: phalanx.cache.DiskStore, tokens: list[np.ndarray]) -> None:
+    """Every cached record loads, and so does every interior prefix, byte-exact."""
+    for toks in tokens:
+        n = len(toks) // PT
+        assert store.lookup(toks) == n
+        for pages in {1, max(1, n // 2), n}:
+            got = store.load(toks, pages)
+            assert bytes(got) == page_row(toks[: pages * PT])
+
+
+def test_public_surface_is_pinned() -> None:
+    assert sorted(phalanx.cache.__all__) == [
+        "CacheError", "CacheStats", "CapacityError", "DiskFullError", "DiskStore",
+        "ForeignStoreError", "Geometry", "GeometryMismatchError", "Job", "JobKind",
+        "JobOutcome", "NotCachedError", "RecordCorruptError", "RowSpanError",
+        "StoreClosedError", "StoreLockedError", "StoreResult", "StoreWriteError",
+        "fingerprint_digest", "page_keys",
+    ]
+    for name in phalanx.cache.__all__:
+        assert hasattr(phalanx.cache, name)
+
+
+@pytest.mark.parametrize("full_rows", [False, True], ids=["suffix-rows", "full-rows"])
+def test_branchy_round_trip_survives_thinning_and_restart(
+    tmp_path: Path, stores: Stores, full_rows: bool
+) -> None:
+    s = stores.open(tmp_path, clock=Clock())
+    built = build_tree(s, 300, branchy=True, full_rows=full_rows, seed=1, max_new_pages=3)
+    assert s.check() == []
+    expect_all(s, built.tokens)
+    thinnable = s.pending()
+    assert (thinnable > 0) == full_rows  # full rows overlap ancestors; suffix rows do not
+    while s.poll(7):
+        assert s.check() == []
+    st = s.statistics()
+    assert st.rows_thinned == thinnable and st.thinned_records == thinnable
+    expect_all(s, built.tokens)  # interior prefixes of thinned rows: same bytes
+    s.close()
+    s2 = stores.open(tmp_path, clock=Clock())
+    assert s2.statistics().recovered == 300 and s2.pending() == 0
+    assert s2.check() == []
+    expect_all(s2, built.tokens)  # first loads after restart verify page CRCs
+
+
+def test_thinned_row_is_header_only_and_interior_loads_match(
+    tmp_path: Path, stores: Stores
+) -> None:
+    s = stores.open(tmp_path)
+    toks = np.arange(10 * PT)
+    short = s.store(toks[: 6 * PT], page_row(toks[: 6 * PT]))
+    s.store(toks, page_row(toks))  # covers all of the shorter row
+    size_before = (tmp_path / f"{short.key.hex()}.kv").stat().st_size
+    assert s.poll() == 1
+    size_after = (tmp_path / f"{short.key.hex()}.kv").stat().st_size
+    assert size_after < size_before and size_after < PB * 6  # the header alone
+    for pages in range(1, 11):
+        assert bytes(s.load(toks, pages)) == page_row(toks[: pages * PT])
+    assert s.check() == []
+
+
+def test_load_is_zero_copy_and_fills_a_given_buffer(tmp_path: Path, stores: Stores) -> None:
+    s = stores.open(tmp_path)
+    toks = np.arange(3 * PT)
+    s.store(toks, np.frombuffer(page_row(toks), dtype=np.float16))  # any buffer
+    view = s.load(toks, 3)
+    arr = np.frombuffer(view, dtype=np.float16)
+    arr[0] = 7  # a view, not a copy: writes show through
+    assert np.frombuffer(view, dtype=np.float16)[0] == 7
+    out = bytearray(2 * PB)
+    s.load(toks, 2, out=out)
+    assert bytes(out) == page_row(toks[: 2 * PT])
+
+
+def test_torch_tensor_rows(tmp_path: Path, stores: Stores) -> None:
+    torch = pytest.importorskip("torch")
+    s = stores.open(tmp_path)
+    toks = np.arange(2 * PT)
+    t = torch.frombuffer(bytearray(page_row(toks)), dtype=torch.bfloat16)
+    s.store(toks, t)
+    back = torch.frombuffer(s.load(toks, 2), dtype=torch.bfloat16)
+    assert torch.equal(back.view(torch.int16), t.view(torch.int16))
+
+
+def test_row_span_errors_and_misses(tmp_path: Path, stores: Stores) -> None:
+    s = stores.open(tmp_path)
+    with pytest.raises(RowSpanError, match="shorter than one page"):
+        s.store([1, 2], b"x" * PB)
+    with pytest.raises(RowSpanError, match="multiple of the page size"):
+        s.store(np.arange(PT), b"x" * (PB - 1))
+    with pytest.raises(RowSpanError, match="no gaps"):
+        s.store(np.arange(3 * PT), b"x" * PB)  # page 2 alone, pages 0..1 not cached
+    assert s.lookup([1, 2]) == 0  # shorter than a page: a miss, not an error
+    with pytest.raises(NotCachedError, match="only 0 cached"):
+        s.load(np.arange(PT), 1)
+    toks = np.arange(2 * PT)
+    assert s.store(toks, page_row(toks)).stored
+    assert not s.store(toks, page_row(toks)).stored  # all cached: nothing written
+    st = s.statistics()
+    assert (st.stores, st.stores_skipped, st.misses) == (1, 1, 1)
+    assert len(record_files(tmp_path)) == 1
+
+
+def test_files_are_private(tmp_path: Path, stores: Stores) -> None:
+    d = tmp_path / "cache"
+    s = stores.open(d)
+    toks = np.arange(PT)
+    s.store(toks, page_row(toks))
+    assert d.stat().st_mode & 0o777 == 0o700
+    for name in [*record_files(d), ".lock", "phalanx-cache.json"]:
+        assert (d / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def test_fingerprint_changes_every_key(tmp_path: Path, stores: Stores) -> None:
+    a = stores.open(tmp_path / "a", fingerprint=FP)
+    b = stores.open(tmp_path / "b", fingerprint=FP + "-other")
+    toks = np.arange(PT)
+    assert a.store(toks, page_row(toks)).key != b.store(toks, page_row(toks)).key
