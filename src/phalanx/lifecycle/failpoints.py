@@ -18,6 +18,7 @@ Cost when disarmed: one global lookup and a falsy test (see ``Failpoint.hit``).
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import signal
 import threading
@@ -51,6 +52,7 @@ class Action(enum.Enum):
     HANG = "hang"  # block for `arg` seconds (default 3600), then raise FailpointError
     KILL = "kill"  # SIGKILL this process: the point's step never completes
     EXIT = "exit"  # os._exit(arg or 1) without cleanup
+    ERRNO = "errno"  # raise OSError(arg) as the step's system call would (root ignores modes)
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,9 @@ def _maybe_fire(name: str) -> None:
     if arming.action is Action.KILL:
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # SIGKILL is asynchronous; never return into the step
+    if arming.action is Action.ERRNO:
+        code = int(arming.arg or errno.EIO)
+        raise OSError(code, f"{os.strerror(code)} (failpoint {name})")
     if arming.action is Action.EXIT:
         os._exit(1 if arming.arg is None else int(arming.arg))
 

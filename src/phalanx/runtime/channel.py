@@ -33,6 +33,8 @@ class Kind(enum.IntEnum):
     BYE = 8  # rank -> parent: about to exit cleanly
     CONTROL = 9  # parent -> rank: a runtime-internal task (failpoints, domain steps); replies
     # come as RESULT_*. It skips the user-task failpoint so a test can always disarm.
+    RDV = 10  # rank -> parent: a hub-backend handshake arrival (pickled request)
+    RDV_REPLY = 11  # parent -> rank: pickled list of missing ranks (empty: go)
 
 
 def check_size(nbytes: int, limit: int, what: str) -> None:

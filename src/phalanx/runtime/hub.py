@@ -13,6 +13,7 @@ import selectors
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import IO
 
@@ -44,7 +45,11 @@ class Hub:
         on_eof: EofHandler,
         on_stderr: StderrHandler,
         max_message_bytes: int,
+        on_tick: Callable[[], None] | None = None,
+        tick_s: float = 0.1,
     ) -> None:
+        self._on_tick = on_tick
+        self._tick_s = tick_s
         self._on_frame = on_frame
         self._on_eof = on_eof
         self._on_stderr = on_stderr
@@ -107,8 +112,16 @@ class Hub:
         os.close(self._wake_w)
 
     def _loop(self) -> None:
+        next_tick = time.monotonic() + self._tick_s
         while not self._stop:
-            for key, _ in self._sel.select():
+            events = self._sel.select(max(0.0, next_tick - time.monotonic()))
+            if self._on_tick is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self._tick_s
+                try:
+                    self._on_tick()
+                except Exception:  # noqa: BLE001  a tick bug must not stop the hub
+                    log.exception("phalanx hub: periodic tick failed")
+            for key, _ in events:
                 data = key.data
                 if data is None:
                     self._drain_wakeups()

@@ -13,6 +13,7 @@ B waiting for rank 1); executing one task at a time would deadlock them.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import pickle
@@ -27,6 +28,7 @@ from typing import Any
 import cloudpickle
 
 from phalanx.lifecycle import failpoints
+from phalanx.rendezvous import current
 
 from . import _context
 from ._errors import RemoteTaskError
@@ -35,6 +37,7 @@ from ._rank_points import TASK_RECEIVED as _TASK_RECEIVED
 from .channel import Kind, RankChannel, check_size
 
 _PR_SET_PDEATHSIG = 1
+_MAX_THREADS = 256  # serving threads per rank, whatever blocks
 _PARENT_POLL_S = 0.2
 
 log = logging.getLogger("phalanx.rank")
@@ -100,6 +103,37 @@ class _Rank:
         self._read_lock = threading.Lock()
         self._stopping = False
         self._shutdown_id = 0
+        # Invariant: _idle counts serving threads not running a task. When the last idle
+        # thread takes a task, another is started (up to _MAX_THREADS), so a frame is
+        # always read even while every task blocks (in a handshake, say).
+        self._state_lock = threading.Lock()
+        self._idle = 0
+        self._threads: list[threading.Thread] = []
+        self._request_ids = itertools.count(1)
+        self._replies: dict[int, tuple[threading.Event, list[bytes]]] = {}
+
+    def request(self, obj: Any, timeout: float) -> Any:
+        """Send an RDV request to the parent and wait for its reply."""
+        rid = next(self._request_ids)
+        event, slot = threading.Event(), []
+        with self._state_lock:
+            self._replies[rid] = (event, slot)
+        try:
+            self.channel.send(Kind.RDV, rid, pickle.dumps(obj))
+            if not event.wait(timeout):
+                raise TimeoutError(f"rank {self.rank}: the parent did not answer rendezvous "
+                                   f"request {rid} within {timeout:g}s")
+            return pickle.loads(slot[0])
+        finally:
+            with self._state_lock:
+                self._replies.pop(rid, None)
+
+    def _start_thread(self) -> None:
+        t = threading.Thread(target=self._serve_thread,
+                             name=f"rank{self.rank}-serve-{len(self._threads)}")
+        self._threads.append(t)
+        self._idle += 1
+        t.start()
 
     def run_task(self, msg_id: int, payload: bytes, user: bool) -> None:
         try:
@@ -135,19 +169,34 @@ class _Rank:
                     self._shutdown_id = msg_id
                     return
             if kind is Kind.TASK or kind is Kind.CONTROL:
+                with self._state_lock:
+                    self._idle -= 1
+                    if self._idle == 0 and len(self._threads) < _MAX_THREADS:
+                        self._start_thread()
                 self.run_task(msg_id, payload, user=kind is Kind.TASK)
+                with self._state_lock:
+                    self._idle += 1
+            elif kind is Kind.RDV_REPLY:
+                with self._state_lock:
+                    waiter = self._replies.get(msg_id)
+                if waiter is not None:
+                    waiter[1].append(payload)
+                    waiter[0].set()
             else:
                 log.error("rank %d: unexpected frame kind %s from the parent", self.rank, kind)
 
     def serve(self) -> int:
-        threads = [
-            threading.Thread(target=self._serve_thread, name=f"rank{self.rank}-serve-{i}")
-            for i in range(self.threads)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:  # SHUTDOWN: every thread finishes its task, then we say BYE
+        with self._state_lock:
+            for _ in range(self.threads):
+                self._start_thread()
+        joined = 0
+        while True:  # SHUTDOWN: every thread finishes its task, then we say BYE
+            with self._state_lock:
+                if joined == len(self._threads):
+                    break
+                t = self._threads[joined]
             t.join()
+            joined += 1
         self.channel.send(Kind.BYE, self._shutdown_id, b"")
         return 0
 
@@ -176,8 +225,12 @@ def main() -> int:
     init: dict[str, Any] = pickle.loads(frame[2])
     sys.path[:] = init["sys_path"]
     _context.set_world(init["world_size"], init["generation"])
-    channel.send(Kind.READY, 0, b"")
-    code = _Rank(rank, channel, init["threads"]).serve()
+    server = _Rank(rank, channel, init["threads"])
+    backend = current.make_backend(init["rendezvous"], rank, server.request)
+    current.install(backend, rank)
+    channel.send(Kind.READY, 0, pickle.dumps({"store_port": getattr(backend, "port", None)}))
+    code = server.serve()
+    backend.close()
     channel.close()
     return code
 

@@ -21,6 +21,8 @@ class WorkerStats:
     tasks_failed: int
     uptime_s: float
     generation: str
+    rendezvous: str
+    sweep_failures: int
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

@@ -11,18 +11,32 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import os
+import secrets
 import pickle
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
 from phalanx.lifecycle import CleanupError, CleanupJournal, failpoints
 from phalanx.lifecycle.failpoints import Failpoint
+from phalanx.rendezvous import (
+    BACKENDS,
+    Generation,
+    HubCoordinator,
+    SweepReport,
+    default_runtime_dir,
+    ensure_private_dir,
+    handshake,
+    sweep,
+)
+from phalanx.rendezvous.sweep import DEFAULT_LEASE_EXPIRY_S
 
 from ._errors import (
     RankDiedError,
@@ -78,9 +92,26 @@ class Worker:
         max_concurrent_runs: int = 64,
         failpoints: Mapping[str, str] | None = None,
         env: Mapping[str, str] | None = None,
+        rendezvous: str = "hub",
+        runtime_dir: str | os.PathLike[str] | None = None,
+        lease_expiry_s: float = DEFAULT_LEASE_EXPIRY_S,
+        job_token: str | None = None,
+        store_host: str = "127.0.0.1",
     ) -> None:
         if ranks < 1:
             raise ValueError(f"Worker(ranks={ranks}): need at least one rank")
+        if rendezvous not in BACKENDS:
+            raise ValueError(f"Worker(rendezvous={rendezvous!r}): choose one of {BACKENDS}")
+        self.rendezvous = rendezvous
+        self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
+        self._lease_expiry_s = lease_expiry_s
+        self._job_token = job_token or secrets.token_hex(16)
+        self._store_host = store_host
+        self._generation: Generation | None = None
+        self._spec: dict[str, Any] = {}
+        self._coordinator = HubCoordinator()
+        self._next_heartbeat = 0.0
+        self.sweep_report: SweepReport | None = None
         self.ranks: tuple[int, ...] = tuple(range(ranks))
         self.task_timeout = task_timeout
         self.close_timeout = close_timeout
@@ -120,10 +151,14 @@ class Worker:
     def _start(self, timeout: float, threads: int, fps: dict[str, str],
                env: dict[str, str]) -> None:
         deadline = time.monotonic() + timeout
-        self._hub = Hub(self._on_frame, self._on_eof, self._on_stderr, self.max_message_bytes)
+        ensure_private_dir(self.runtime_dir)
+        self.sweep_report = sweep(self.runtime_dir, self._lease_expiry_s)
+        self._hub = Hub(self._on_frame, self._on_eof, self._on_stderr, self.max_message_bytes,
+                        on_tick=self._on_tick)
         self._hub.start()
         self._journal.add("stop the hub thread", self._hub.stop)
         self._journal.add("join run threads", self._join_runs)
+        self._journal.add("remove the generation directory", self._remove_generation)
         self._journal.add("stop rank processes", self._stop_ranks)
         for r in self.ranks:
             proc = RankProcess(r, max_message_bytes=self.max_message_bytes,
@@ -134,16 +169,57 @@ class Worker:
         hellos = {r: self._await_startup(r, Kind.HELLO, deadline) for r in self.ranks}
         token = hellos[0][2]
         self.generation = token
-        init = pickle.dumps({"sys_path": list(sys.path), "world_size": len(self.ranks),
-                             "generation": token, "threads": threads})
-        for r in self.ranks:
-            self._send(r, Kind.INIT, 0, init)
-        for r in self.ranks:
-            self._await_startup(r, Kind.READY, deadline)
-            self._ready.add(r)
+        self._generation = Generation.create(self.runtime_dir, token)
+        spec = self._spec = self._rendezvous_spec(token)
+        # The store backend's server lives in rank 0: it must exist (and say its port)
+        # before the others join. The other backends start every rank at once.
+        first = [0] if self.rendezvous == "store" else list(self.ranks)
+        for group in (first, [r for r in self.ranks if r not in first]):
+            init = pickle.dumps({"sys_path": list(sys.path), "world_size": len(self.ranks),
+                                 "generation": token, "threads": threads, "rendezvous": spec})
+            for r in group:
+                self._send(r, Kind.INIT, 0, init)
+            for r in group:
+                ready = self._await_startup(r, Kind.READY, deadline)
+                self._ready.add(r)
+                if r == 0 and ready["store_port"] is not None:
+                    spec["port"] = ready["store_port"]
         self._state = WorkerState.RUNNING
+        # The base start-up handshake: every rank meets every other through the backend.
+        self.submit(_start_handshake, max(1.0, deadline - time.monotonic())).result()
         log.info("worker %s: %d ranks ready in %.0f ms", token, len(self.ranks),
                  (time.monotonic() - self._started_at) * 1e3)
+
+    def _rendezvous_spec(self, token: str) -> dict[str, Any]:
+        if self.rendezvous == "marker":
+            assert self._generation is not None
+            return {"kind": "marker", "dir": str(self._generation.path)}
+        if self.rendezvous == "store":
+            return {"kind": "store", "host": self._store_host, "port": 0,
+                    "token": self._job_token, "generation": token}
+        return {"kind": "hub"}
+
+    def _remove_generation(self) -> None:
+        if self._generation is not None:
+            self._generation.remove()
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        for rank, rid, missing in self._coordinator.expire(now):
+            self._reply_rdv(rank, rid, missing)
+        if self._generation is not None and now >= self._next_heartbeat:
+            self._next_heartbeat = now + min(30.0, self._lease_expiry_s / 10)
+            try:
+                self._generation.heartbeat()
+            except OSError as err:
+                log.warning("worker %s: lease heartbeat of %s failed: %s", self.generation,
+                            self._generation.owner_path, err)
+
+    def _reply_rdv(self, rank: int, request_id: int, missing: list[int]) -> None:
+        try:
+            self._send(rank, Kind.RDV_REPLY, request_id, pickle.dumps(missing))
+        except OSError:
+            pass  # that rank is gone; its EOF is handled on its own
 
     def _await_startup(self, rank: int, want: Kind, deadline: float) -> Any:
         proc = self._procs[rank]
@@ -185,6 +261,11 @@ class Worker:
             else:
                 fut.set_exception(self._decode_error(rank, fut, payload))
             self._count("tasks_failed")
+        elif kind is Kind.RDV:
+            alloc_id, tag, participants, who, timeout = pickle.loads(payload)
+            for r, rid, missing in self._coordinator.arrive(msg_id, alloc_id, tag, participants,
+                                                             who, timeout):
+                self._reply_rdv(r, rid, missing)
         else:
             self._startup[rank].put((kind, payload))
 
@@ -336,6 +417,8 @@ class Worker:
                 ranks=len(self.ranks), ranks_alive=alive, state=self._state.value,
                 poisoned=self._poison, runs_in_flight=len(self._runs),
                 uptime_s=time.monotonic() - self._started_at, generation=self.generation,
+                rendezvous=self.rendezvous,
+                sweep_failures=len(self.sweep_report.failures) if self.sweep_report else 0,
                 runs_admitted=self._counts["runs_admitted"],
                 runs_retired=self._counts["runs_retired"],
                 runs_failed=self._counts["runs_failed"],
@@ -343,6 +426,12 @@ class Worker:
                 tasks_succeeded=self._counts["tasks_succeeded"],
                 tasks_failed=self._counts["tasks_failed"],
             )
+
+    @property
+    def store_address(self) -> tuple[str, int] | None:
+        """(host, port) of the job's TCP store when the store backend is in use."""
+        port = self._spec.get("port") if self.rendezvous == "store" else None
+        return (self._store_host, int(port)) if port else None
 
     @property
     def state(self) -> WorkerState:
@@ -409,6 +498,12 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<Worker {self.generation} ranks={len(self.ranks)} {self._state.value}>"
+
+
+def _start_handshake(o: Orchestrator, timeout: float) -> None:
+    ranks = list(o.ranks)
+    for f in [o.control(r, handshake, "start", 0, ranks, timeout) for r in ranks]:
+        f.result()
 
 
 def _arm_in_ranks(o: Orchestrator, ranks: list[int], name: str | None, spec: str | None) -> None:

@@ -44,6 +44,10 @@ class _LazyGroup(click.Group):
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
 def cli(verbose: int) -> None:
     """phalanx: workers, communication domains and a replicated prefix KV cache."""
+    import phalanx.rendezvous  # noqa: F401  (declares failpoints PHALANX_FAILPOINTS may name)
+    from phalanx.lifecycle import failpoints
+
+    failpoints.arm_from_env()
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -1,0 +1,269 @@
+"""Handshakes: every participant arrives, waits for all, departs; then nothing is left.
+
+One protocol, three backends (the rank side of each):
+
+* :class:`MarkerBackend` — files in the generation directory (one host, or hosts that
+  share a file system). Arrival and departure markers are published atomically.
+* :class:`StoreBackend` — keys in torch's c10d ``TCPStore`` (multi-host), created by
+  rank 0 and joined by the others. torch is imported only here, only when used.
+* :class:`HubBackend` — the local Worker's parent, which already talks to every rank,
+  counts arrivals in memory (:class:`HubCoordinator`).
+
+Bounded while alive: a participant publishes its arrival, waits for every arrival,
+publishes its departure; the leader (first participant) waits for every departure and
+then removes all 2N markers before its call returns. No participant removes a marker
+another may still read, markers exist only for handshakes in progress, and allocation
+ids are in every name, so concurrent handshakes never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+from phalanx.lifecycle.failpoints import Failpoint
+
+from ._errors import HandshakeError, HandshakeTimeoutError, TokenMismatchError
+
+__all__ = [
+    "Backend",
+    "HubBackend",
+    "HubCoordinator",
+    "MarkerBackend",
+    "StoreBackend",
+]
+
+_PUBLISH = Failpoint("rendezvous.handshake.publish", "about to publish a marker or key")
+_REMOVE = Failpoint("rendezvous.handshake.remove", "the leader is about to remove markers")
+
+
+class Backend(Protocol):
+    name: str
+
+    def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
+                  timeout: float) -> None: ...
+
+    def live_markers(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def _check(tag: str, participants: Sequence[int], rank: int) -> None:
+    if rank not in participants:
+        raise HandshakeError(f"rank {rank} is not a participant of handshake {tag!r} "
+                             f"(participants {list(participants)})")
+    if "/" in tag or "-" in tag:
+        raise HandshakeError(f"handshake tag {tag!r} may not contain '/' or '-'")
+
+
+def _timeout(phase: str, tag: str, alloc_id: int, rank: int, missing: list[int],
+             timeout: float) -> HandshakeTimeoutError:
+    verb = "arrived" if phase == "arrival" else "departed"
+    return HandshakeTimeoutError(
+        f"handshake {tag!r} of allocation {alloc_id}: rank {rank} waited {timeout:g}s at "
+        f"{phase}; ranks {missing} never {verb}. Check that they are alive and called the same "
+        f"handshake (same tag, allocation id and participants)", missing)
+
+
+class MarkerBackend:
+    """Marker files under one generation directory."""
+
+    name = "marker"
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def _path(self, alloc_id: int, tag: str, phase: str, rank: int) -> str:
+        return os.path.join(self.directory, f"hs-{alloc_id}-{tag}-{phase}-{rank}")
+
+    def _publish(self, path: str, tag: str, alloc_id: int, rank: int) -> None:
+        try:
+            _PUBLISH.hit()
+            tmp = f"{path}.tmp"
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            os.rename(tmp, path)
+        except OSError as err:
+            raise HandshakeError(
+                f"rank {rank} could not publish its marker for handshake {tag!r} of allocation "
+                f"{alloc_id} at {path}: errno {err.errno} ({err.strerror})") from err
+
+    def _wait(self, paths: dict[int, str], deadline: float, phase: str, tag: str,
+              alloc_id: int, rank: int, timeout: float) -> None:
+        missing = dict(paths)
+        delay = 20e-6
+        while True:
+            missing = {r: p for r, p in missing.items() if not os.path.exists(p)}
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise _timeout(phase, tag, alloc_id, rank, sorted(missing), timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
+                  timeout: float) -> None:
+        _check(tag, participants, rank)
+        deadline = time.monotonic() + timeout
+        arrive = {r: self._path(alloc_id, tag, "a", r) for r in participants}
+        depart = {r: self._path(alloc_id, tag, "d", r) for r in participants}
+        self._publish(arrive[rank], tag, alloc_id, rank)
+        self._wait(arrive, deadline, "arrival", tag, alloc_id, rank, timeout)
+        self._publish(depart[rank], tag, alloc_id, rank)
+        if rank != participants[0]:
+            return
+        self._wait(depart, deadline, "departure", tag, alloc_id, rank, timeout)
+        for path in [*arrive.values(), *depart.values()]:
+            try:
+                _REMOVE.hit()
+                os.unlink(path)
+            except OSError as err:
+                raise HandshakeError(
+                    f"rank {rank} (leader) could not remove marker {path} of handshake {tag!r} "
+                    f"of allocation {alloc_id}: errno {err.errno} ({err.strerror})") from err
+
+    def live_markers(self) -> int:
+        return sum(1 for n in os.listdir(self.directory) if n.startswith("hs-"))
+
+    def close(self) -> None:
+        pass
+
+
+def job_prefix(token: str, generation: str) -> str:
+    """Key namespace of one job: only holders of the token can derive it."""
+    mac = hmac.new(token.encode(), generation.encode(), hashlib.sha256).hexdigest()[:24]
+    return f"phx/{mac}"
+
+
+class StoreBackend:
+    """Keys in a c10d TCPStore created by rank 0 (``is_master``) and joined by the others.
+
+    TCPStore has no authentication of its own. Every key lives under a prefix derived
+    from the job token with HMAC, and a joining peer must find the job's marker key
+    there: a peer with the wrong token is refused at connect (TokenMismatchError) and
+    cannot name, read or disturb the job's keys.
+    """
+
+    name = "store"
+
+    def __init__(self, host: str, port: int, token: str, generation: str, *, is_master: bool,
+                 timeout: float = 60.0) -> None:
+        from torch.distributed import TCPStore
+
+        self.prefix = job_prefix(token, generation)
+        self.store = TCPStore(host, port, None, is_master, timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        self.port = int(self.store.port)
+        job_key = f"{self.prefix}/job"
+        if is_master:
+            self.store.set(job_key, b"1")
+        elif not self.store.check([job_key]):
+            raise TokenMismatchError(
+                f"the TCP store at {host}:{port} holds no job for this job token and generation "
+                f"{generation}: refused. Check PHALANX_JOB_TOKEN and the store address")
+
+    def _wait(self, keys: dict[int, str], deadline: float, phase: str, tag: str, alloc_id: int,
+              rank: int, timeout: float) -> None:
+        try:
+            self.store.wait(list(keys.values()),
+                            timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except Exception as exc:  # noqa: BLE001  c10d raises DistStoreError/RuntimeError
+            missing = [r for r, k in keys.items() if not self.store.check([k])]
+            raise _timeout(phase, tag, alloc_id, rank, missing, timeout) from exc
+
+    def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
+                  timeout: float) -> None:
+        _check(tag, participants, rank)
+        deadline = time.monotonic() + timeout
+        base = f"{self.prefix}/hs/{alloc_id}/{tag}"
+        arrive = {r: f"{base}/a/{r}" for r in participants}
+        depart = {r: f"{base}/d/{r}" for r in participants}
+        _PUBLISH.hit()
+        self.store.set(arrive[rank], b"1")
+        self._wait(arrive, deadline, "arrival", tag, alloc_id, rank, timeout)
+        self.store.set(depart[rank], b"1")
+        if rank != participants[0]:
+            return
+        self._wait(depart, deadline, "departure", tag, alloc_id, rank, timeout)
+        _REMOVE.hit()
+        for key in [*arrive.values(), *depart.values()]:
+            self.store.delete_key(key)
+
+    def live_markers(self) -> int:
+        return int(self.store.num_keys())
+
+    def close(self) -> None:
+        del self.store
+
+
+class HubBackend:
+    """The rank side of the parent-as-hub backend: one request, one reply."""
+
+    name = "hub"
+
+    def __init__(self, request: Callable[[Any, float], Any]) -> None:
+        self._request = request
+
+    def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
+                  timeout: float) -> None:
+        _check(tag, participants, rank)
+        _PUBLISH.hit()
+        missing = self._request((alloc_id, tag, tuple(participants), rank, timeout), timeout + 5)
+        if missing:
+            raise _timeout("arrival", tag, alloc_id, rank, list(missing), timeout)
+
+    def live_markers(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Pending:
+    participants: tuple[int, ...]
+    deadline: float
+    arrived: dict[int, int] = field(default_factory=dict)  # rank -> request id
+
+
+Reply = tuple[int, int, list[int]]  # (rank, request id, missing ranks; empty = go)
+
+
+class HubCoordinator:
+    """The parent side of the hub backend: arrivals in memory, bounded by handshakes in
+    progress (an entry is dropped when it completes or expires)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[int, str], _Pending] = {}
+
+    def arrive(self, request_id: int, alloc_id: int, tag: str, participants: tuple[int, ...],
+               rank: int, timeout: float) -> list[Reply]:
+        key = (alloc_id, tag)
+        entry = self._pending.setdefault(
+            key, _Pending(participants, time.monotonic() + timeout))
+        if entry.participants != participants:
+            return [(rank, request_id, [r for r in participants if r not in entry.participants]
+                     or list(participants))]
+        entry.arrived[rank] = request_id
+        if len(entry.arrived) < len(participants):
+            return []
+        del self._pending[key]
+        return [(r, rid, []) for r, rid in entry.arrived.items()]
+
+    def expire(self, now: float) -> list[Reply]:
+        replies: list[Reply] = []
+        for key, entry in list(self._pending.items()):
+            if now > entry.deadline:
+                del self._pending[key]
+                missing = [r for r in entry.participants if r not in entry.arrived]
+                replies.extend((r, rid, missing) for r, rid in entry.arrived.items())
+        return replies
+
+    def in_progress(self) -> int:
+        return len(self._pending)

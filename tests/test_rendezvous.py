@@ -1,0 +1,205 @@
+"""Rendezvous: bounded markers while alive, nothing after close, sweeps that never lie."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import phalanx
+from leaks import _files_under
+from phalanx.lifecycle import failpoints
+from phalanx.rendezvous import (
+    HandshakeError,
+    HandshakeTimeoutError,
+    StoreBackend,
+    TokenMismatchError,
+    UnsafeRuntimeDirError,
+    handshake,
+    live_markers,
+    sweep,
+)
+from phalanx.rendezvous.generation import OWNER_FILE
+
+BACKENDS = ["hub", "marker", "store"]
+
+
+def _alloc_release(alloc_id: int, ranks: list[int]) -> None:
+    handshake("alloc", alloc_id, ranks, timeout=30)
+    handshake("release", alloc_id, ranks, timeout=30)
+
+
+def _markers() -> int:
+    return live_markers()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_two_thousand_handshake_pairs_stay_bounded(backend: str, ranks: int,
+                                                   tmp_path: Path) -> None:
+    runtime_dir = tmp_path / "rt"
+    counts: list[int] = []
+
+    def orch(o: phalanx.Orchestrator) -> None:
+        members = list(o.ranks)
+        for alloc_id in range(1, 2001):
+            for f in [o.submit(r, _alloc_release, alloc_id, members) for r in members]:
+                f.result()
+            if backend == "store":
+                counts.append(o.submit(0, _markers).result())
+            else:
+                counts.append(len(_files_under(runtime_dir)))
+
+    with phalanx.Worker(ranks=ranks, rendezvous=backend, runtime_dir=runtime_dir) as w:
+        baseline = len(_files_under(runtime_dir)) if backend != "store" else None
+        w.run(orch)
+    assert len(counts) == 2000
+    # markers of a finished handshake are gone before its leader returns: the count
+    # after each pair is the resting count, and it never grows with the number done
+    assert max(counts) == min(counts) <= (ranks * 2 + 2)
+    if baseline is not None:
+        assert max(counts) == baseline == 2  # the generation dir and its owner record
+    assert _files_under(runtime_dir) == frozenset()  # zero after close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_timed_out_handshake_names_missing_ranks(backend: str, tmp_path: Path) -> None:
+    with phalanx.Worker(ranks=3, rendezvous=backend, runtime_dir=tmp_path) as w:
+        with pytest.raises(HandshakeTimeoutError, match=r"ranks \[1, 2\] never arrived") as info:
+            w.run(lambda o: o.submit(0, handshake, "alloc", 77, [0, 1, 2], 0.5).result())
+        assert info.value.missing == [1, 2]
+        assert "allocation 77" in str(info.value)
+
+
+def test_marker_publish_failure_names_rank_tag_and_allocation(tmp_path: Path) -> None:
+    with phalanx.Worker(ranks=2, rendezvous="marker", runtime_dir=tmp_path) as w:
+        w.arm_failpoint("rendezvous.handshake.publish", "errno:28", ranks=1)
+        with pytest.raises(HandshakeError) as info:
+            w.run(lambda o: [f.result() for f in reversed([
+                o.submit(r, handshake, "alloc", 9, [0, 1], 2.0) for r in o.ranks])])
+        msg = str(info.value)
+        assert "rank 1" in msg and "'alloc'" in msg and "allocation 9" in msg and "28" in msg
+
+
+def test_store_peer_with_wrong_token_is_refused(tmp_path: Path) -> None:
+    with phalanx.Worker(ranks=2, rendezvous="store", runtime_dir=tmp_path) as w:
+        assert w.store_address is not None
+        host, port = w.store_address
+        with pytest.raises(TokenMismatchError, match="refused"):
+            StoreBackend(host, port, "not-the-token", w.generation, is_master=False, timeout=5)
+
+
+_DOOMED_PARENT = textwrap.dedent("""
+    import sys, time, phalanx
+    w = phalanx.Worker(ranks=2, runtime_dir=sys.argv[1], rendezvous=sys.argv[2])
+    print(w.generation, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("backend", ["hub", "marker"])
+def test_sigkilled_worker_generation_is_reclaimed_by_the_next(backend: str,
+                                                               tmp_path: Path) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _DOOMED_PARENT, str(tmp_path), backend],
+                              stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    token = parent.stdout.readline().strip()
+    parent.stdout.close()
+    shm = Path(f"/dev/shm/phx-{token}-leftover")  # as a domain's segment would be named
+    shm.write_bytes(b"x")
+    try:
+        assert (tmp_path / token / OWNER_FILE).exists()
+    finally:
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+    time.sleep(0.1)
+    with phalanx.Worker(ranks=1, runtime_dir=tmp_path) as w:
+        report = w.sweep_report
+        assert report is not None and report.generations_removed == [token]
+        assert report.shm_removed == 1 and not shm.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [w.generation]
+    assert list(tmp_path.iterdir()) == []
+
+
+def _dead_generation(root: Path, token: str, files: int) -> Path:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # a pid that no longer runs
+    gen = root / token
+    gen.mkdir(parents=True, mode=0o700)
+    owner = {"host": os.uname().nodename, "boot_id": Path(
+        "/proc/sys/kernel/random/boot_id").read_text().strip(), "pid": proc.pid,
+        "start_time": 1.0, "uid": os.getuid(), "created": 1.0, "version": 1}
+    (gen / OWNER_FILE).write_text(json.dumps(owner))
+    for i in range(files):
+        (gen / f"hs-{i}-alloc-a-0").write_bytes(b"")
+    return gen
+
+
+def test_sweep_reports_unlink_failure_and_reclaims_the_rest(tmp_path: Path) -> None:
+    _dead_generation(tmp_path, "aaaa", 3)
+    _dead_generation(tmp_path, "bbbb", 3)
+    failpoints.arm("rendezvous.remove.unlink", "errno:13*1")
+    try:
+        report = sweep(tmp_path)
+    finally:
+        failpoints.disarm_all()
+    assert len(report.failures) == 1
+    failure = report.failures[0]
+    assert failure.errno == 13 and ".reclaim-aaaa" in failure.path
+    assert report.generations_removed == ["bbbb"]
+    assert report.files_removed == 7  # 8 files, one refused
+    # the claimed remains are finished by the next sweep
+    again = sweep(tmp_path)
+    assert again.generations_removed == ["aaaa"] and not again.failures
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_live_generation_survives_another_workers_sweep(tmp_path: Path) -> None:
+    with phalanx.Worker(ranks=2, runtime_dir=tmp_path, rendezvous="marker") as first:
+        with phalanx.Worker(ranks=1, runtime_dir=tmp_path) as second:
+            assert second.sweep_report is not None
+            assert second.sweep_report.live_kept == 1
+            assert not second.sweep_report.generations_removed
+        assert first.run(lambda o: [f.result() for f in [
+            o.submit(r, handshake, "alloc", 1, [0, 1]) for r in o.ranks]]) == [None, None]
+
+
+def test_directories_private_and_unsafe_ones_refused(tmp_path: Path) -> None:
+    with phalanx.Worker(ranks=1, runtime_dir=tmp_path / "rt") as w:
+        gen = tmp_path / "rt" / w.generation
+        assert (gen.stat().st_mode & 0o777) == 0o700
+        assert ((gen / OWNER_FILE).stat().st_mode & 0o777) == 0o600
+        assert ((tmp_path / "rt").stat().st_mode & 0o777) == 0o700
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(UnsafeRuntimeDirError, match="symlink"):
+        phalanx.Worker(ranks=1, runtime_dir=tmp_path / "link")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 12345, 12345)
+    with pytest.raises(UnsafeRuntimeDirError, match="owned by uid 12345"):
+        phalanx.Worker(ranks=1, runtime_dir=foreign)
+
+
+def test_doctor_lists_and_reclaims(tmp_path: Path) -> None:
+    _dead_generation(tmp_path, "dead1", 2)
+    exe = [sys.executable, "-m", "phalanx.serve.cli._main", "doctor", "--runtime-dir",
+           str(tmp_path)]
+    out = subprocess.run([*exe, "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    gens = json.loads(out.stdout)["generations"]
+    assert [(g["token"], g["dead"], g["files"]) for g in gens] == [("dead1", True, 3)]
+    env = dict(os.environ, PHALANX_FAILPOINTS="rendezvous.remove.unlink=errno:5*1")
+    out = subprocess.run([*exe, "--reclaim"], capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert out.returncode == 1 and "EIO" in out.stderr
+    out = subprocess.run([*exe, "--reclaim"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "reclaimed 1 generation" in out.stdout
+    assert list(tmp_path.iterdir()) == []
