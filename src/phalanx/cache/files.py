@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from phalanx.lifecycle.failpoints import Failpoint
 
@@ -91,7 +91,8 @@ def _write_error(directory: str, key: bytes, what: str, exc: OSError) -> StoreWr
 
 
 def _commit(directory: str, key: bytes, bufs: Sequence[bytes | memoryview], fsync: bool,
-            written: Failpoint, committed: Failpoint, what: str) -> None:
+            written: Failpoint, committed: Failpoint, what: str,
+            on_renamed: Callable[[], None] | None = None) -> None:
     final = os.path.join(directory, record_name(key))
     tmp = _temp_path(directory, key)
     renamed = False
@@ -107,6 +108,8 @@ def _commit(directory: str, key: bytes, bufs: Sequence[bytes | memoryview], fsyn
         written.hit()
         os.rename(tmp, final)
         renamed = True
+        if on_renamed is not None:
+            on_renamed()  # the replaced file is gone: the caller's index follows at once
         if fsync:
             _fsync_dir(directory)
         committed.hit()
@@ -129,10 +132,15 @@ def write_record(directory: str, header: RecordHeader, row: memoryview, fsync: b
             _FP_TEMP_WRITTEN, _FP_COMMITTED, "write")
 
 
-def thin_record(directory: str, thinned: RecordHeader, fsync: bool) -> None:
-    """Replace a record's file by its header alone (flag THINNED), atomically."""
+def thin_record(directory: str, thinned: RecordHeader, fsync: bool,
+                on_renamed: Callable[[], None]) -> None:
+    """Replace a record's file by its header alone (flag THINNED), atomically.
+
+    ``on_renamed`` runs right after the rename: a later failure (directory fsync, a
+    failpoint) cannot undo a thin, so the index must already say "thinned".
+    """
     _commit(directory, thinned.key, [thinned.encode()], fsync,
-            _FP_THIN_WRITTEN, _FP_THIN_COMMITTED, "thin")
+            _FP_THIN_WRITTEN, _FP_THIN_COMMITTED, "thin", on_renamed)
 
 
 def remove_record(directory: str, key: bytes) -> None:

@@ -210,8 +210,10 @@ class Index:
                 self.thin_candidates.pop(r.key, None)
                 lost.append(r)
                 n.record = None
-        if parent.record is not None and not parent.children:
-            self._push_leaf(parent.record)
+        # whoever held the detached branch's prefix may be removable now
+        for r in {*parent.covers, *([parent.record] if parent.record else [])}:
+            if self.is_leaf(r):
+                self._push_leaf(r)
         return lost
 
     def forget_orphan(self, key: bytes) -> Record | None:
@@ -226,9 +228,21 @@ class Index:
 
     # -- candidates ----------------------------------------------------------------
     def is_leaf(self, rec: Record) -> bool:
-        return rec.node is not None and not rec.thinned and not rec.node.children and (
-            self.records.get(rec.key) is rec
-        )
+        """Removable without orphaning anyone: no prefix below depends on its bytes.
+
+        Its end node has no children, and no node of its span that only it covers has
+        a branch hanging off it (a suffix row stored after a shared prefix of this row
+        depends on this row: removing it would orphan that branch).
+        """
+        node = rec.node
+        if node is None or rec.thinned or node.children or self.records.get(rec.key) is not rec:
+            return False
+        for _ in range(rec.end - rec.start - 1):
+            node = node.parent
+            assert node is not None
+            if len(node.children) > 1 and len(node.covers) == 1:
+                return False
+        return True
 
     def is_thinnable(self, rec: Record) -> bool:
         if rec.thinned or rec.node is None or self.records.get(rec.key) is not rec:

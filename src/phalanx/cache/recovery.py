@@ -47,6 +47,12 @@ class ScanResult:
         return out
 
 
+class _Bar(tqdm):  # type: ignore[misc]
+    # tqdm starts a monitor thread per process for any bar, even a disabled one; it
+    # would outlive the store (the leak check counts threads). Our bar updates itself.
+    monitor_interval = 0
+
+
 def read_header(path: str) -> RecordHeader:
     """Read and check one record's header and length. Raises HeaderError(reason)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -78,7 +84,7 @@ def scan(directory: str, geometry: Geometry | None, fingerprint: bytes | None,
     res = ScanResult()
     with os.scandir(directory) as it:
         names = [e.name for e in it]
-    bar = tqdm(total=len(names), desc=f"recovering {directory}", unit="file", delay=1.0,
+    bar = _Bar(total=len(names), desc=f"recovering {directory}", unit="file", delay=1.0,
                disable=not progress or len(names) < 1000, leave=False)
     try:
         for i, name in enumerate(names):

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from phalanx.lifecycle.failpoints import Failpoint
+
 from ._errors import (
     CapacityError,
     NotCachedError,
@@ -42,6 +44,8 @@ from .stats import CacheStats
 __all__ = ["DiskStore", "StoreResult"]
 
 log = logging.getLogger("phalanx.cache")
+
+_FP_LOAD_PINNED = Failpoint("cache.load.pinned", "load planned, records pinned, not yet read")
 
 BadFilePolicy = Literal["quarantine", "delete"]
 
@@ -263,6 +267,7 @@ class DiskStore:
                 rec.pins += 1  # maintenance defers jobs on pinned records
                 self._index.touch(rec)
         try:
+            _FP_LOAD_PINNED.hit()
             for rec, first, stop in pieces:
                 self._read_piece(rec, first, stop, dst[first * pb : stop * pb])
         finally:
@@ -440,9 +445,11 @@ class DiskStore:
         keys = [n.key for n in ix.span_nodes(rec)]
         header = RecordHeader(self.geometry, self.fingerprint, rec.key, rec.parent, rec.start,
                               rec.end, 0, rec.created, keys, [0] * len(keys), FLAG_THINNED)
-        thin_record(self.directory, header, self.fsync)
-        ix.thin(rec, header.file_len)
-        self._stats.rows_thinned += 1
+        def renamed() -> None:
+            ix.thin(rec, header.file_len)
+            self._stats.rows_thinned += 1
+
+        thin_record(self.directory, header, self.fsync, renamed)
         return JobOutcome.DONE
 
     # -- audit and stats ---------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""Capacity and expiry under a stream of stores; a restart at 95% full stays under cap;
+pinned records survive maintenance until their load is done."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_util import GEOM, Clock, Stores, page_row, stores
+from phalanx.cache import CapacityError, Job, JobKind, JobOutcome
+from phalanx.lifecycle import FailpointError, failpoints
+
+__all__ = ["stores"]
+
+PT = GEOM.page_tokens
+
+
+def stream(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    roots = rng.integers(0, 1000, (20, 2 * PT))
+    return [np.concatenate([roots[rng.integers(0, 20)], rng.integers(0, 1000, PT * 3)])
+            for _ in range(n)]
+
+
+def test_capacity_holds_under_a_stream_and_after_restart_at_95_percent(
+    tmp_path: Path, stores: Stores
+) -> None:
+    cap = 64 * 1024
+    s = stores.open(tmp_path, capacity_bytes=cap)
+    for i, toks in enumerate(stream(600, 1)):
+        s.store(toks, page_row(toks[s.lookup(toks) * PT :]))
+        assert s.statistics().bytes <= cap
+        if i % 50 == 0:
+            s.poll()
+            assert s.check() == []
+    assert s.statistics().evictions > 0
+    s.close()
+    # refill to ~95% of a cap, then reopen and keep storing: still never above it
+    s = stores.open(tmp_path, capacity_bytes=cap)
+    assert s.statistics().bytes <= cap
+    more = iter(stream(10_000, 2))
+    while s.statistics().bytes < 0.95 * cap:
+        toks = next(more)
+        s.store(toks, page_row(toks[s.lookup(toks) * PT :]))
+    s.close()
+    s = stores.open(tmp_path, capacity_bytes=cap)
+    recovered = s.statistics().bytes
+    assert 0.9 * cap <= recovered <= cap
+    for _ in range(200):
+        toks = next(more)
+        s.store(toks, page_row(toks[s.lookup(toks) * PT :]))
+        assert s.statistics().bytes <= cap
+    assert s.check() == []
+
+
+def test_restart_with_a_smaller_cap_counts_recovered_bytes(tmp_path: Path, stores: Stores) -> None:
+    s = stores.open(tmp_path)
+    for toks in stream(100, 3):
+        s.store(toks, page_row(toks[s.lookup(toks) * PT :]))
+    full = s.statistics().bytes
+    s.close()
+    s = stores.open(tmp_path, capacity_bytes=full // 2)
+    assert s.statistics().bytes == full  # over the cap until maintenance runs ...
+    toks = np.arange(1000, 1000 + 2 * PT)
+    s.store(toks, page_row(toks))  # ... or until a store makes room first
+    assert s.statistics().bytes <= full // 2
+    assert s.check() == []
+
+
+def test_expiry_under_a_stream(tmp_path: Path, stores: Stores) -> None:
+    clock = Clock()
+    s = stores.open(tmp_path, max_age=10.0, clock=clock)
+    all_toks = stream(300, 4)
+    for toks in all_toks[:150]:
+        s.store(toks, page_row(toks[s.lookup(toks) * PT :]))
+    clock.t += 11.0  # the first 150 are now older than max_age
+    for toks in all_toks[150:]:
+        s.store(toks, page_row(toks[s.lookup(toks) * PT :]))
+        s.poll(4)
+    while s.poll():
+        pass
+    st = s.statistics()
+    assert st.expirations > 0 and s.check() == []
+    cutoff = clock.t - 10.0
+    # no leaf older than max_age is left: every old record left holds a young one's prefix
+    for toks in all_toks[150:]:
+        assert s.lookup(toks) == len(toks) // PT
+    s.close()
+    clock.t += 11.0
+    s = stores.open(tmp_path, max_age=10.0, clock=clock)
+    while s.poll():
+        pass
+    assert s.statistics().records == 0 and s.check() == [] and cutoff < clock.t
+
+
+def test_a_row_larger_than_capacity_is_refused(tmp_path: Path, stores: Stores) -> None:
+    s = stores.open(tmp_path, capacity_bytes=1024)
+    toks = np.arange(20 * PT)
+    with pytest.raises(CapacityError, match="exceeds the capacity"):
+        s.store(toks, page_row(toks))
+    assert s.statistics().records == 0
+
+
+def test_maintenance_defers_a_pinned_record(tmp_path: Path, stores: Stores) -> None:
+    s = stores.open(tmp_path)
+    toks = np.arange(8 * PT)
+    short = s.store(toks[: 4 * PT], page_row(toks[: 4 * PT]))
+    s.store(toks, page_row(toks))  # the short row is now redundant: a THIN job waits
+    assert s.pending() == 1
+    failpoints.arm("cache.load.pinned", "hang:2*1")  # the load stops 2 s, pins held
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            s.load(toks[: 4 * PT], 4)
+        except FailpointError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=load)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not failpoints.fired("cache.load.pinned"):
+        assert time.monotonic() < deadline, "load never reached its pinned point"
+        time.sleep(0.01)
+    assert s.poll() == 0 and s.pending() == 1  # pinned: not decided
+    assert s.apply_job(Job(JobKind.THIN, key=short.key)) is JobOutcome.DEFERRED
+    failpoints.disarm_all()  # a disarmed hang still sleeps; wait for it with a deadline
+    t.join(timeout=35)
+    assert not t.is_alive() and len(errors) == 1
+    assert s.poll() == 1 and s.statistics().rows_thinned == 1
+    assert s.apply_job(Job(JobKind.THIN, key=short.key)) is JobOutcome.NOOP  # idempotent
+    assert bytes(s.load(toks, 8)) == page_row(toks)
+    assert s.check() == []
