@@ -42,6 +42,8 @@ __all__ = [
 
 _PUBLISH = Failpoint("rendezvous.handshake.publish", "about to publish a marker or key")
 _REMOVE = Failpoint("rendezvous.handshake.remove", "the leader is about to remove markers")
+_MAX_MASK_PARTICIPANTS = 31  # arrival bitmask in the low half of a signed 64-bit counter
+_LOW_BITS = (1 << 32) - 1
 
 
 class Backend(Protocol):
@@ -154,7 +156,7 @@ class StoreBackend:
 
     def __init__(self, host: str, port: int, token: str, generation: str, *, is_master: bool,
                  timeout: float = 60.0) -> None:
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         self.prefix = job_prefix(token, generation)
         self.store = TCPStore(host, port, None, is_master, timedelta(seconds=timeout),
@@ -162,38 +164,42 @@ class StoreBackend:
         self.port = int(self.store.port)
         job_key = f"{self.prefix}/job"
         if is_master:
-            self.store.set(job_key, b"1")
+            self.store.set(job_key, "1")
         elif not self.store.check([job_key]):
             raise TokenMismatchError(
                 f"the TCP store at {host}:{port} holds no job for this job token and generation "
                 f"{generation}: refused. Check PHALANX_JOB_TOKEN and the store address")
 
-    def _wait(self, keys: dict[int, str], deadline: float, phase: str, tag: str, alloc_id: int,
-              rank: int, timeout: float) -> None:
-        try:
-            self.store.wait(list(keys.values()),
-                            timedelta(seconds=max(0.001, deadline - time.monotonic())))
-        except Exception as exc:  # noqa: BLE001  c10d raises DistStoreError/RuntimeError
-            missing = [r for r, k in keys.items() if not self.store.check([k])]
-            raise _timeout(phase, tag, alloc_id, rank, missing, timeout) from exc
-
     def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
                   timeout: float) -> None:
+        """Two keys per handshake, three round trips per rank.
+
+        One counter carries both phases. Arrival adds ``1 << position`` to its low bits,
+        so the low bits are the bitmask of who arrived and a timeout can name the
+        missing ranks; the rank that completes the mask sets ``go`` (and need not wait
+        for it), the others wait on ``go``. Departure adds ``1 << 32``; the last one out
+        deletes both keys: nobody reads them after departing.
+        """
         _check(tag, participants, rank)
-        deadline = time.monotonic() + timeout
-        base = f"{self.prefix}/hs/{alloc_id}/{tag}"
-        arrive = {r: f"{base}/a/{r}" for r in participants}
-        depart = {r: f"{base}/d/{r}" for r in participants}
+        if len(participants) > _MAX_MASK_PARTICIPANTS:
+            raise HandshakeError(f"the store backend handshakes at most "
+                                 f"{_MAX_MASK_PARTICIPANTS} participants, not {len(participants)}")
+        counter, go = f"{self.prefix}/hs/{alloc_id}/{tag}", f"{self.prefix}/hs/{alloc_id}/{tag}/go"
+        full = (1 << len(participants)) - 1
         _PUBLISH.hit()
-        self.store.set(arrive[rank], b"1")
-        self._wait(arrive, deadline, "arrival", tag, alloc_id, rank, timeout)
-        self.store.set(depart[rank], b"1")
-        if rank != participants[0]:
-            return
-        self._wait(depart, deadline, "departure", tag, alloc_id, rank, timeout)
-        _REMOVE.hit()
-        for key in [*arrive.values(), *depart.values()]:
-            self.store.delete_key(key)
+        if self.store.add(counter, 1 << participants.index(rank)) & _LOW_BITS == full:
+            self.store.set(go, "1")
+        else:
+            try:
+                self.store.wait([go], timedelta(seconds=timeout))
+            except Exception as exc:  # noqa: BLE001  c10d raises DistStoreError/RuntimeError
+                mask = self.store.add(counter, 0) & _LOW_BITS
+                missing = [r for i, r in enumerate(participants) if not mask >> i & 1]
+                raise _timeout("arrival", tag, alloc_id, rank, missing, timeout) from exc
+        if self.store.add(counter, 1 << 32) >> 32 == len(participants):
+            _REMOVE.hit()
+            self.store.delete_key(counter)
+            self.store.delete_key(go)
 
     def live_markers(self) -> int:
         return int(self.store.num_keys())

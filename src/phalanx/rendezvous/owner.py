@@ -31,7 +31,7 @@ def boot_id() -> str:
 
 def _start_time(pid: int) -> float | None:
     try:
-        return psutil.Process(pid).create_time()
+        return float(psutil.Process(pid).create_time())
     except psutil.Error:
         return None
 

@@ -119,7 +119,7 @@ class Hub:
                 next_tick = time.monotonic() + self._tick_s
                 try:
                     self._on_tick()
-                except Exception:  # noqa: BLE001  a tick bug must not stop the hub
+                except Exception:
                     log.exception("phalanx hub: periodic tick failed")
             for key, _ in events:
                 data = key.data

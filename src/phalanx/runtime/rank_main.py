@@ -115,7 +115,7 @@ class _Rank:
     def request(self, obj: Any, timeout: float) -> Any:
         """Send an RDV request to the parent and wait for its reply."""
         rid = next(self._request_ids)
-        event, slot = threading.Event(), []
+        event, slot = threading.Event(), list[bytes]()
         with self._state_lock:
             self._replies[rid] = (event, slot)
         try:

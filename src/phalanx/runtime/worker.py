@@ -12,9 +12,9 @@ import enum
 import itertools
 import logging
 import os
-import secrets
 import pickle
 import queue
+import secrets
 import sys
 import threading
 import time

@@ -28,7 +28,8 @@ def doctor(runtime_dir: Path | None, reclaim: bool, lease_expiry: float, as_json
     gens = list_generations(root, lease_expiry)
     report = sweep(root, lease_expiry) if reclaim else None
     if as_json:
-        out = {"runtime_dir": str(root), "generations": [g.as_dict() for g in gens]}
+        out: dict[str, object] = {"runtime_dir": str(root),
+                                  "generations": [g.as_dict() for g in gens]}
         if report is not None:
             out["reclaim"] = report.as_dict()
         click.echo(json.dumps(out, sort_keys=True))
