@@ -192,7 +192,7 @@ class StoreBackend:
         else:
             try:
                 self.store.wait([go], timedelta(seconds=timeout))
-            except Exception as exc:  # noqa: BLE001  c10d raises DistStoreError/RuntimeError
+            except Exception as exc:
                 mask = self.store.add(counter, 0) & _LOW_BITS
                 missing = [r for i, r in enumerate(participants) if not mask >> i & 1]
                 raise _timeout("arrival", tag, alloc_id, rank, missing, timeout) from exc

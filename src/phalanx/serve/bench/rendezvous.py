@@ -78,7 +78,8 @@ def _bench_phalanx(backend: str, ranks: int, n: int, tmp: Path) -> dict[str, flo
 
     def orch(o: Orchestrator) -> tuple[list[float], int]:
         futures = [o.submit(r, _phalanx_loop, n, list(o.ranks)) for r in o.ranks]
-        return [f.result() for f in futures][0]
+        rank0: tuple[list[float], int] = [f.result() for f in futures][0]  # noqa: RUF015
+        return rank0
 
     with Worker(ranks=ranks, rendezvous=backend, runtime_dir=runtime_dir) as w:
         samples, left = w.run(orch)
@@ -95,7 +96,7 @@ def _bench_torch(kind: str, ranks: int, n: int, tmp: Path) -> dict[str, float]:
         for f in [o.submit(r, _torch_open, kind, r, ranks, path, port) for r in o.ranks[1:]]:
             f.result()
         futures = [o.submit(r, _torch_loop, n, r, ranks) for r in o.ranks]
-        result = [f.result() for f in futures][0]
+        result: tuple[list[float], int] = [f.result() for f in futures][0]  # noqa: RUF015
         for f in [o.submit(r, _torch_close) for r in o.ranks]:
             f.result()
         return result
