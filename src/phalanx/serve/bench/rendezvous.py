@@ -41,8 +41,8 @@ def _torch_open(kind: str, rank: int, world: int, path: str, port: int) -> int:
     if kind == "filestore":
         _TORCH_STORE["store"] = dist.FileStore(path, world)
         return 0
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60),
-                          wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,  # type: ignore[attr-defined]
+                          timedelta(seconds=60), wait_for_workers=False)
     _TORCH_STORE["store"] = store
     return int(store.port)
 
@@ -54,7 +54,8 @@ def _torch_loop(n: int, rank: int, world: int) -> tuple[list[float], int]:
     samples = []
     for i in range(1, n + 1):
         t0 = time.perf_counter()
-        _store_based_barrier(rank, store, f"bench{i}", world, timedelta(seconds=60))
+        _store_based_barrier(rank, store, f"bench{i}", world,  # type: ignore[arg-type]
+                             timedelta(seconds=60))
         samples.append(time.perf_counter() - t0)
     return samples, int(store.num_keys())
 
