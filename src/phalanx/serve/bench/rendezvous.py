@@ -39,7 +39,7 @@ def _torch_open(kind: str, rank: int, world: int, path: str, port: int) -> int:
     import torch.distributed as dist
 
     if kind == "filestore":
-        _TORCH_STORE["store"] = dist.FileStore(path, world)
+        _TORCH_STORE["store"] = dist.FileStore(path, world)  # type: ignore[attr-defined]
         return 0
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0,  # type: ignore[attr-defined]
                           timedelta(seconds=60), wait_for_workers=False)
