@@ -46,6 +46,7 @@ HEADER_ALIGN = 64
 HEADER_PROBE = 4096
 RECORD_SUFFIX = ".kv"
 
+_GEOMETRIES: dict[tuple[int, int, int, bytes, int], Geometry] = {}
 FIXED = struct.Struct("<8sHHIIIII16s16s16s16sIIQd")
 _CRC = struct.Struct("<I")
 
@@ -149,13 +150,18 @@ class RecordHeader:
         (want,) = _CRC.unpack_from(buf, crc_at)
         if zlib.crc32(buf[:crc_at]) != want:
             raise HeaderError("checksum", "header checksum mismatch")
-        name = bytes(dtype).rstrip(b"\0").decode(errors="replace")
-        if name not in DTYPE_SIZES or min(layers, kv_heads, head_dim, page_tokens) <= 0:
-            raise HeaderError("geometry", f"unknown dtype {name!r} or empty shape")
+        shape = (layers, kv_heads, head_dim, bytes(dtype), page_tokens)
+        geometry = _GEOMETRIES.get(shape)
+        if geometry is None:  # recovery decodes 100,000s of headers of one geometry
+            name = bytes(dtype).rstrip(b"\0").decode(errors="replace")
+            if name not in DTYPE_SIZES or min(layers, kv_heads, head_dim, page_tokens) <= 0:
+                raise HeaderError("geometry", f"unknown dtype {name!r} or empty shape")
+            geometry = _GEOMETRIES.setdefault(
+                shape, Geometry(layers, kv_heads, head_dim, name, page_tokens))
         keys = [bytes(buf[keys_at + i * KEY_BYTES : keys_at + (i + 1) * KEY_BYTES])
                 for i in range(n)]
         return cls(
-            geometry=Geometry(layers, kv_heads, head_dim, name, page_tokens),
+            geometry=geometry,
             fingerprint=fingerprint,
             key=key,
             parent=parent,

@@ -1,0 +1,198 @@
+"""``phalanx bench cache-disk``: the disk store beside a plain-file baseline and LMCache.
+
+Per row size (256 KiB, 4 MiB, 32 MiB by default), in the same run: DiskStore store and
+load, a plain-Python baseline writing the same bytes as one file per row (open, write,
+rename; same fsync policy) and reading them back (open, read), and LMCache's
+``fs_native`` disk path (its best) through a driver run by the LMCache venv's python.
+Buffered I/O; the page cache is not dropped; os.sync() runs untimed before each timed
+phase; medians of --reps. Then recovery: opening a directory of --recovery-records
+records against a bare ``os.scandir`` + ``stat`` of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from phalanx.cache import DiskStore, Geometry
+from phalanx.cache.keys import KeyChain
+
+from ._stats import emit, median
+
+__all__ = ["command"]
+
+# 128 KiB pages: every benchmarked row is a whole number of pages
+BENCH_GEOMETRY = Geometry(layers=4, kv_heads=2, head_dim=64, dtype="bfloat16", page_tokens=64)
+# 512-byte pages: 100,000 records stay small on disk
+RECOVERY_GEOMETRY = Geometry(layers=1, kv_heads=1, head_dim=8, dtype="float16", page_tokens=16)
+DRIVER = Path(__file__).with_name("_lmcache_driver.py")
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    os.sync()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _phalanx_case(root: Path, rows: list[memoryview], fsync: bool) -> tuple[float, float]:
+    g = BENCH_GEOMETRY
+    pages = rows[0].nbytes // g.page_bytes
+    toks = [np.arange(i * pages * 64, (i + 1) * pages * 64) for i in range(len(rows))]
+    total = sum(r.nbytes for r in rows)
+    store = DiskStore(root, g, "bench", capacity_bytes=2 * total + (1 << 30), fsync=fsync,
+                      progress=False)
+    try:
+        def put() -> None:
+            for t, r in zip(toks, rows, strict=True):
+                store.store(t, r)
+
+        # a server hashes a request's pages once (lookup) and loads by that key chain
+        chains = [store.chain(t) for t in toks]
+
+        def get() -> None:
+            for c, r in zip(chains, rows, strict=True):
+                if store.load(c, pages).nbytes != r.nbytes:
+                    raise AssertionError("short load")
+
+        t_store = _timed(put)
+        t_load = _timed(get)
+        if bytes(store.load(toks[-1], pages)) != bytes(rows[-1]):
+            raise AssertionError("phalanx load returned different bytes")
+    finally:
+        store.close()
+    return t_store, t_load
+
+
+def _baseline_case(root: Path, rows: list[memoryview], fsync: bool) -> tuple[float, float]:
+    root.mkdir(mode=0o700)
+    paths = [root / f"{i}.row" for i in range(len(rows))]
+
+    def put() -> None:
+        for p, r in zip(paths, rows, strict=True):
+            tmp = f"{p}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(r)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.rename(tmp, p)
+
+    def get() -> None:
+        for p in paths:
+            with open(p, "rb") as f:
+                f.read()
+
+    return _timed(put), _timed(get)
+
+
+def _lmcache(python: str, work: Path, cases: list[tuple[int, int]], reps: int) -> dict[int, Any]:
+    if not os.path.exists(python):
+        click.echo(f"lmcache: skipped, no LMCache venv at {python} (run "
+                   "/work/shared/anchors/lmcache/setup.sh or pass --lmcache-python)", err=True)
+        return {}
+    spec = ",".join(f"{b}x{n}" for b, n in cases)
+    env = dict(os.environ, LMCACHE_LOG_LEVEL="ERROR")
+    out = subprocess.run([python, str(DRIVER), "--dir", str(work / "lmcache"), "--cases", spec,
+                          "--reps", str(reps)], capture_output=True, text=True, env=env,
+                         timeout=900)
+    if out.returncode:
+        click.echo(f"lmcache: driver failed ({out.returncode}): {out.stderr[-2000:]}", err=True)
+        return {}
+    rows = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+    return {r["row_bytes"]: r for r in rows}
+
+
+def _recovery(work: Path, n: int, reps: int) -> dict[str, float]:
+    g = RECOVERY_GEOMETRY
+    d = work / "recovery"
+    rng = np.random.default_rng(0)
+    row = bytes(g.page_bytes)
+    with DiskStore(d, g, "bench", capacity_bytes=1 << 40, progress=False) as s:
+        chains: list[KeyChain] = []
+        for i in range(n):  # a random tree: each record extends a random earlier one
+            parent = int(rng.integers(-1, i)) if i else -1
+            new = rng.integers(0, 1 << 30, g.page_tokens)
+            chain = chains[parent].extend(new) if parent >= 0 else s.chain(new)
+            s.store(chain, row)
+            chains.append(chain)
+    os.sync()
+
+    def bare() -> None:
+        with os.scandir(d) as it:
+            for e in it:
+                os.stat(e.path)
+
+    def reopen() -> None:
+        DiskStore(d, g, "bench", capacity_bytes=1 << 40, progress=False).close()
+
+    t_bare = median([_timed(bare) for _ in range(reps)])
+    t_open = median([_timed(reopen) for _ in range(reps)])
+    return {"records": n, "seconds": t_open, "bare_scan_seconds": t_bare}
+
+
+@click.command("cache-disk")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON result as the last line.")
+@click.option("--rows", default="262144,4194304,33554432", show_default=True,
+              help="Row sizes in bytes (multiples of 128 KiB).")
+@click.option("--total-mib", default=256, show_default=True, help="Bytes per case and rep.")
+@click.option("--reps", default=3, show_default=True)
+@click.option("--fsync-total-mib", default=32, show_default=True,
+              help="Bytes per case for the fsync=True figures (0: skip them).")
+@click.option("--recovery-records", default=100_000, show_default=True)
+@click.option("--lmcache-python", default="/tmp/phx-anchors/lmcache/bin/python",
+              show_default=True, help="python of a venv with LMCache (skipped if absent).")
+@click.option("--dir", "work_dir", default=None, help="Scratch directory (default: /tmp).")
+def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib: int,
+            recovery_records: int, lmcache_python: str, work_dir: str | None) -> None:
+    """Store/load GB/s vs one-file-per-row and LMCache fs_native; recovery vs scandir."""
+    work = Path(tempfile.mkdtemp(prefix="phx-bench-cache-", dir=work_dir))
+    try:
+        sizes = [int(x) for x in rows.split(",")]
+        cases = [(b, max(1, (total_mib << 20) // b)) for b in sizes]
+        lmc = _lmcache(lmcache_python, work, cases, reps)
+        out_rows = []
+        for b, n in cases:
+            data = np.random.default_rng(b).integers(0, 255, n * b, dtype=np.uint8)
+            rows_v = [data.data[i * b : (i + 1) * b] for i in range(n)]
+            ph, base = [], []
+            for r in range(reps):  # alternate sides so drift hits both
+                ph.append(_phalanx_case(work / f"p{b}_{r}", rows_v, fsync=False))
+                base.append(_baseline_case(work / f"b{b}_{r}", rows_v, fsync=False))
+                shutil.rmtree(work / f"p{b}_{r}")
+                shutil.rmtree(work / f"b{b}_{r}")
+            total = n * b
+            row: dict[str, Any] = {
+                "row_bytes": b,
+                "store_gbps": total / median([s for s, _ in ph]) / 1e9,
+                "load_gbps": total / median([ld for _, ld in ph]) / 1e9,
+                "baseline_store_gbps": total / median([s for s, _ in base]) / 1e9,
+                "baseline_load_gbps": total / median([ld for _, ld in base]) / 1e9,
+                "lmcache_store_gbps": lmc.get(b, {}).get("store_gbps"),
+                "lmcache_load_gbps": lmc.get(b, {}).get("load_gbps"),
+            }
+            if fsync_total_mib:
+                nf = max(1, (fsync_total_mib << 20) // b)
+                s_ph, _ = _phalanx_case(work / f"pf{b}", rows_v[:nf], fsync=True)
+                s_b, _ = _baseline_case(work / f"bf{b}", rows_v[:nf], fsync=True)
+                row["fsync_store_gbps"] = nf * b / s_ph / 1e9
+                row["fsync_baseline_store_gbps"] = nf * b / s_b / 1e9
+            out_rows.append(row)
+            del rows_v, data
+            if not as_json:
+                print(json.dumps(row), file=sys.stderr)
+        result = {"rows": out_rows, "recovery": _recovery(work, recovery_records, reps)}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    emit(result, as_json)
