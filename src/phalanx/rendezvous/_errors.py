@@ -4,7 +4,8 @@
     └── RendezvousError
         ├── UnsafeRuntimeDirError   a symlink, a foreign owner or a non-directory where ours belongs
         ├── HandshakeError          publishing or removing a marker (or key) failed
-        │   └── HandshakeTimeoutError  not every participant arrived (or departed) in time
+        │   ├── HandshakeTimeoutError  not every participant arrived (or departed) in time
+        │   └── HandshakeAbortedError  a participant gave up the allocation (its own error says why)
         └── TokenMismatchError      a store peer presented the wrong job token
 """
 
@@ -34,6 +35,10 @@ class HandshakeTimeoutError(HandshakeError, TimeoutError):
 
     def __reduce__(self) -> tuple[type[HandshakeTimeoutError], tuple[str, list[int]]]:
         return (type(self), (str(self), self.missing))
+
+
+class HandshakeAbortedError(HandshakeError):
+    """Another participant aborted this allocation's handshakes after its own step failed."""
 
 
 class TokenMismatchError(RendezvousError):

@@ -30,7 +30,12 @@ from typing import Any, Protocol
 
 from phalanx.lifecycle.failpoints import Failpoint
 
-from ._errors import HandshakeError, HandshakeTimeoutError, TokenMismatchError
+from ._errors import (
+    HandshakeAbortedError,
+    HandshakeError,
+    HandshakeTimeoutError,
+    TokenMismatchError,
+)
 
 __all__ = [
     "Backend",
@@ -44,6 +49,8 @@ _PUBLISH = Failpoint("rendezvous.handshake.publish", "about to publish a marker 
 _REMOVE = Failpoint("rendezvous.handshake.remove", "the leader is about to remove markers")
 _MAX_MASK_PARTICIPANTS = 31  # arrival bitmask in the low half of a signed 64-bit counter
 _LOW_BITS = (1 << 32) - 1
+_ABORT_POLL_S = 0.05
+_ABORT_MEMORY_S = 300.0  # how long the hub remembers an aborted allocation id
 
 
 class Backend(Protocol):
@@ -52,9 +59,21 @@ class Backend(Protocol):
     def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
                   timeout: float) -> None: ...
 
+    def abort(self, alloc_id: int, rank: int) -> None:
+        """Tell every participant waiting in a handshake of ``alloc_id`` to give up."""
+
+    def purge(self, alloc_id: int, tags: Sequence[str]) -> int:
+        """Remove what failed handshakes of ``alloc_id`` left (once nobody waits on them)."""
+
     def live_markers(self) -> int: ...
 
     def close(self) -> None: ...
+
+
+def _aborted(tag: str, alloc_id: int, rank: int) -> HandshakeAbortedError:
+    return HandshakeAbortedError(
+        f"handshake {tag!r} of allocation {alloc_id}: rank {rank} stopped waiting because "
+        f"another participant aborted the allocation (its own error names the cause)")
 
 
 def _check(tag: str, participants: Sequence[int], rank: int) -> None:
@@ -99,11 +118,14 @@ class MarkerBackend:
     def _wait(self, paths: dict[int, str], deadline: float, phase: str, tag: str,
               alloc_id: int, rank: int, timeout: float) -> None:
         missing = dict(paths)
+        abort = self._abort_path(alloc_id)
         delay = 20e-6
         while True:
             missing = {r: p for r, p in missing.items() if not os.path.exists(p)}
             if not missing:
                 return
+            if os.path.exists(abort):
+                raise _aborted(tag, alloc_id, rank)
             if time.monotonic() > deadline:
                 raise _timeout(phase, tag, alloc_id, rank, sorted(missing), timeout)
             time.sleep(delay)
@@ -129,6 +151,21 @@ class MarkerBackend:
                 raise HandshakeError(
                     f"rank {rank} (leader) could not remove marker {path} of handshake {tag!r} "
                     f"of allocation {alloc_id}: errno {err.errno} ({err.strerror})") from err
+
+    def _abort_path(self, alloc_id: int) -> str:
+        return os.path.join(self.directory, f"hs-{alloc_id}-abort")
+
+    def abort(self, alloc_id: int, rank: int) -> None:
+        self._publish(self._abort_path(alloc_id), "abort", alloc_id, rank)
+
+    def purge(self, alloc_id: int, tags: Sequence[str]) -> int:
+        prefix = f"hs-{alloc_id}-"
+        removed = 0
+        for name in os.listdir(self.directory):
+            if name.startswith(prefix):
+                os.unlink(os.path.join(self.directory, name))
+                removed += 1
+        return removed
 
     def live_markers(self) -> int:
         return sum(1 for n in os.listdir(self.directory) if n.startswith("hs-"))
@@ -201,6 +238,33 @@ class StoreBackend:
             self.store.delete_key(counter)
             self.store.delete_key(go)
 
+    def _wait_go(self, go: str, counter: str, tag: str, alloc_id: int,
+                 participants: Sequence[int], rank: int, timeout: float) -> None:
+        # Wait in slices so an abort is seen; the first slice is the common, fast case.
+        deadline = time.monotonic() + timeout
+        abort = f"{self.prefix}/hs/{alloc_id}/abort"
+        while True:
+            slice_s = min(_ABORT_POLL_S, max(0.001, deadline - time.monotonic()))
+            try:
+                self.store.wait([go], timedelta(seconds=slice_s))
+                return
+            except Exception as exc:
+                if self.store.check([abort]):
+                    raise _aborted(tag, alloc_id, rank) from exc
+                if time.monotonic() >= deadline:
+                    mask = self.store.add(counter, 0) & _LOW_BITS
+                    missing = [r for i, r in enumerate(participants) if not mask >> i & 1]
+                    raise _timeout("arrival", tag, alloc_id, rank, missing, timeout) from exc
+
+    def abort(self, alloc_id: int, rank: int) -> None:
+        self.store.set(f"{self.prefix}/hs/{alloc_id}/abort", str(rank))
+
+    def purge(self, alloc_id: int, tags: Sequence[str]) -> int:
+        keys = [f"{self.prefix}/hs/{alloc_id}/abort"]
+        for tag in tags:
+            keys += [f"{self.prefix}/hs/{alloc_id}/{tag}", f"{self.prefix}/hs/{alloc_id}/{tag}/go"]
+        return sum(1 for k in keys if self.store.delete_key(k))
+
     def live_markers(self) -> int:
         return int(self.store.num_keys())
 
@@ -220,9 +284,18 @@ class HubBackend:
                   timeout: float) -> None:
         _check(tag, participants, rank)
         _PUBLISH.hit()
-        missing = self._request((alloc_id, tag, tuple(participants), rank, timeout), timeout + 5)
+        missing = self._request(("arrive", alloc_id, tag, tuple(participants), rank, timeout),
+                                timeout + 5)
+        if missing is None:
+            raise _aborted(tag, alloc_id, rank)
         if missing:
             raise _timeout("arrival", tag, alloc_id, rank, list(missing), timeout)
+
+    def abort(self, alloc_id: int, rank: int) -> None:
+        self._request(("abort", alloc_id, "", (), rank, 0.0), 5.0)
+
+    def purge(self, alloc_id: int, tags: Sequence[str]) -> int:
+        return 0  # nothing persists: abort already dropped the hub's entries
 
     def live_markers(self) -> int:
         return 0
@@ -238,7 +311,7 @@ class _Pending:
     arrived: dict[int, int] = field(default_factory=dict)  # rank -> request id
 
 
-Reply = tuple[int, int, list[int]]  # (rank, request id, missing ranks; empty = go)
+Reply = tuple[int, int, list[int] | None]  # (rank, request id, missing; [] = go, None = abort)
 
 
 class HubCoordinator:
@@ -247,9 +320,19 @@ class HubCoordinator:
 
     def __init__(self) -> None:
         self._pending: dict[tuple[int, str], _Pending] = {}
+        # Allocations aborted recently: a late arrival must not wait for peers that gone.
+        self._aborted: dict[int, float] = {}
+
+    def request(self, request_id: int, op: str, alloc_id: int, tag: str,
+                participants: tuple[int, ...], rank: int, timeout: float) -> list[Reply]:
+        if op == "abort":
+            return self.abort(request_id, alloc_id, rank)
+        return self.arrive(request_id, alloc_id, tag, participants, rank, timeout)
 
     def arrive(self, request_id: int, alloc_id: int, tag: str, participants: tuple[int, ...],
                rank: int, timeout: float) -> list[Reply]:
+        if alloc_id in self._aborted:
+            return [(rank, request_id, None)]
         key = (alloc_id, tag)
         entry = self._pending.setdefault(
             key, _Pending(participants, time.monotonic() + timeout))
@@ -262,7 +345,29 @@ class HubCoordinator:
         del self._pending[key]
         return [(r, rid, []) for r, rid in entry.arrived.items()]
 
+    def abort(self, request_id: int, alloc_id: int, rank: int) -> list[Reply]:
+        """Abort every handshake of ``alloc_id``; later arrivals for it are aborted too."""
+        replies: list[Reply] = [(rank, request_id, [])]
+        self._aborted[alloc_id] = time.monotonic() + _ABORT_MEMORY_S
+        for key, entry in list(self._pending.items()):
+            if key[0] == alloc_id:
+                del self._pending[key]
+                replies.extend((r, rid, None) for r, rid in entry.arrived.items())
+        return replies
+
+    def abort_rank(self, rank: int) -> list[Reply]:
+        """A rank died: every handshake waiting for it is aborted."""
+        replies: list[Reply] = []
+        for key, entry in list(self._pending.items()):
+            if rank in entry.participants and rank not in entry.arrived:
+                del self._pending[key]
+                replies.extend((r, rid, [rank]) for r, rid in entry.arrived.items())
+        return replies
+
     def expire(self, now: float) -> list[Reply]:
+        for alloc_id, until in list(self._aborted.items()):
+            if now > until:
+                del self._aborted[alloc_id]
         replies: list[Reply] = []
         for key, entry in list(self._pending.items()):
             if now > entry.deadline:

@@ -5,6 +5,7 @@ from __future__ import annotations
 _RANK: int | None = None
 _WORLD_SIZE: int | None = None
 _GENERATION: str | None = None
+_JOB_TOKEN: str | None = None
 
 
 def set_rank(rank: int) -> None:
@@ -12,9 +13,9 @@ def set_rank(rank: int) -> None:
     _RANK = rank
 
 
-def set_world(world_size: int, generation: str) -> None:
-    global _WORLD_SIZE, _GENERATION
-    _WORLD_SIZE, _GENERATION = world_size, generation
+def set_world(world_size: int, generation: str, job_token: str) -> None:
+    global _WORLD_SIZE, _GENERATION, _JOB_TOKEN
+    _WORLD_SIZE, _GENERATION, _JOB_TOKEN = world_size, generation, job_token
 
 
 def current_rank() -> int | None:
@@ -28,3 +29,8 @@ def world_size() -> int | None:
 
 def generation() -> str | None:
     return _GENERATION
+
+
+def job_token() -> str | None:
+    """The job token peers authenticate with (rank processes only; never log it)."""
+    return _JOB_TOKEN

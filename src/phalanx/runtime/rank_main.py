@@ -224,7 +224,7 @@ def main() -> int:
         return 1
     init: dict[str, Any] = pickle.loads(frame[2])
     sys.path[:] = init["sys_path"]
-    _context.set_world(init["world_size"], init["generation"])
+    _context.set_world(init["world_size"], init["generation"], init["job_token"])
     server = _Rank(rank, channel, init["threads"])
     backend = current.make_backend(init["rendezvous"], rank, server.request)
     current.install(backend, rank)

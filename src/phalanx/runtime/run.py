@@ -36,7 +36,7 @@ class TaskSubmitter(Protocol):
     ranks: tuple[int, ...]
 
     def _submit_task(
-        self, run: Run, rank: int, fn: Callable[..., Any], args: tuple[Any, ...],
+        self, run: Run | None, rank: int, fn: Callable[..., Any], args: tuple[Any, ...],
         kwargs: dict[str, Any], timeout: float | None, control: bool = False,
     ) -> TaskFuture: ...
 

@@ -176,7 +176,8 @@ class Worker:
         first = [0] if self.rendezvous == "store" else list(self.ranks)
         for group in (first, [r for r in self.ranks if r not in first]):
             init = pickle.dumps({"sys_path": list(sys.path), "world_size": len(self.ranks),
-                                 "generation": token, "threads": threads, "rendezvous": spec})
+                                 "generation": token, "threads": threads, "rendezvous": spec,
+                                 "job_token": self._job_token})
             for r in group:
                 self._send(r, Kind.INIT, 0, init)
             for r in group:
@@ -186,7 +187,13 @@ class Worker:
                     spec["port"] = ready["store_port"]
         self._state = WorkerState.RUNNING
         # The base start-up handshake: every rank meets every other through the backend.
-        self.submit(_start_handshake, max(1.0, deadline - time.monotonic())).result()
+        left = max(1.0, deadline - time.monotonic())
+        outcomes = self._call_ranks(list(self.ranks), handshake, "start", 0, list(self.ranks),
+                                    left, timeout=left + 5)
+        failed = {r: e for r, e in outcomes.items() if isinstance(e, BaseException)}
+        if failed:
+            raise RankStartError(f"the start-up handshake failed on ranks {sorted(failed)}: "
+                                 f"{failed[min(failed)]}") from failed[min(failed)]
         log.info("worker %s: %d ranks ready in %.0f ms", token, len(self.ranks),
                  (time.monotonic() - self._started_at) * 1e3)
 
@@ -215,7 +222,7 @@ class Worker:
                 log.warning("worker %s: lease heartbeat of %s failed: %s", self.generation,
                             self._generation.owner_path, err)
 
-    def _reply_rdv(self, rank: int, request_id: int, missing: list[int]) -> None:
+    def _reply_rdv(self, rank: int, request_id: int, missing: list[int] | None) -> None:
         try:
             self._send(rank, Kind.RDV_REPLY, request_id, pickle.dumps(missing))
         except OSError:
@@ -262,9 +269,9 @@ class Worker:
                 fut.set_exception(self._decode_error(rank, fut, payload))
             self._count("tasks_failed")
         elif kind is Kind.RDV:
-            alloc_id, tag, participants, who, timeout = pickle.loads(payload)
-            for r, rid, missing in self._coordinator.arrive(msg_id, alloc_id, tag, participants,
-                                                             who, timeout):
+            op, alloc_id, tag, participants, who, timeout = pickle.loads(payload)
+            for r, rid, missing in self._coordinator.request(msg_id, op, alloc_id, tag,
+                                                             participants, who, timeout):
                 self._reply_rdv(r, rid, missing)
         else:
             self._startup[rank].put((kind, payload))
@@ -297,6 +304,8 @@ class Worker:
                 del self._tasks[f.task_id]
             if not closing and self._state is not WorkerState.STARTING and self._poison is None:
                 self._poison = f"{proc.describe()}"
+        for r, rid, missing in self._coordinator.abort_rank(rank):
+            self._reply_rdv(r, rid, missing)
         if self._state is WorkerState.RUNNING:
             log.error("%s; stderr tail:\n%s", proc.describe(), proc.stderr_tail())
         for f in doomed:
@@ -365,7 +374,22 @@ class Worker:
             self._runs.pop(run.run_id, None)
         self._run_slots.release()
 
-    def _submit_task(self, run: Run, rank: int, fn: Callable[..., Any], args: tuple[Any, ...],
+    def _call_ranks(self, ranks: list[int], fn: Callable[..., Any], *args: Any,
+                    timeout: float | None = None) -> dict[int, Any]:
+        """Run a runtime-internal step on ``ranks`` outside any run (releases at a fence,
+        close-time cleanup); returns rank -> value, or rank -> the exception it raised."""
+        futures = {r: self._submit_task(None, r, fn, args, {}, timeout, control=True)
+                   for r in ranks}
+        out: dict[int, Any] = {}
+        for r, f in futures.items():
+            try:
+                out[r] = f.result()
+            except Exception as exc:  # noqa: BLE001  returned per rank, the caller decides
+                out[r] = exc
+        return out
+
+    def _submit_task(self, run: Run | None, rank: int, fn: Callable[..., Any],
+                     args: tuple[Any, ...],
                      kwargs: dict[str, Any], timeout: float | None,
                      control: bool = False) -> TaskFuture:
         if rank not in self._send_locks:
@@ -373,9 +397,10 @@ class Worker:
         name = getattr(fn, "__qualname__", type(fn).__name__)
         payload = cloudpickle.dumps((fn, args, kwargs))
         check_size(len(payload), self.max_message_bytes, f"task {name} for rank {rank}")
-        fut = TaskFuture(rank, next(self._ids), name, run.run_id,
+        fut = TaskFuture(rank, next(self._ids), name, 0 if run is None else run.run_id,
                          self.task_timeout if timeout is None else timeout)
-        run.add_task(fut)
+        if run is not None:
+            run.add_task(fut)
         with self._lock:
             dead = self._dead.get(rank)
             if dead is None:
@@ -426,6 +451,11 @@ class Worker:
                 tasks_succeeded=self._counts["tasks_succeeded"],
                 tasks_failed=self._counts["tasks_failed"],
             )
+
+    @property
+    def job_token(self) -> str:
+        """The secret peers of this job authenticate with (links, stores). Never log it."""
+        return self._job_token
 
     @property
     def store_address(self) -> tuple[str, int] | None:
@@ -498,12 +528,6 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<Worker {self.generation} ranks={len(self.ranks)} {self._state.value}>"
-
-
-def _start_handshake(o: Orchestrator, timeout: float) -> None:
-    ranks = list(o.ranks)
-    for f in [o.control(r, handshake, "start", 0, ranks, timeout) for r in ranks]:
-        f.result()
 
 
 def _arm_in_ranks(o: Orchestrator, ranks: list[int], name: str | None, spec: str | None) -> None:
