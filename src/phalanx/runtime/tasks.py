@@ -24,8 +24,10 @@ __all__ = ["TaskFuture"]
 class TaskFuture:
     """The future of one task. ``result()`` waits at most until the task's deadline."""
 
-    def __init__(self, rank: int, task_id: int, name: str, run_id: int, timeout: float) -> None:
+    def __init__(self, rank: int, task_id: int, name: str, run_id: int, timeout: float,
+                 control: bool = False) -> None:
         self.rank = rank
+        self.control = control  # runtime-internal: not counted as a user task
         self.task_id = task_id
         self.name = name
         self.run_id = run_id

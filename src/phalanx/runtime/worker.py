@@ -263,11 +263,13 @@ class Worker:
                                                       f"could not unpickle the result: {exc}"))
                 else:
                     fut.set_result(value)
-                    self._count("tasks_succeeded")
+                    if not fut.control:
+                        self._count("tasks_succeeded")
                     return
             else:
                 fut.set_exception(self._decode_error(rank, fut, payload))
-            self._count("tasks_failed")
+            if not fut.control:
+                self._count("tasks_failed")
         elif kind is Kind.RDV:
             op, alloc_id, tag, participants, who, timeout = pickle.loads(payload)
             for r, rid, missing in self._coordinator.request(msg_id, op, alloc_id, tag,
@@ -310,7 +312,8 @@ class Worker:
             log.error("%s; stderr tail:\n%s", proc.describe(), proc.stderr_tail())
         for f in doomed:
             f.set_exception(err)
-            self._count("tasks_failed")
+            if not f.control:
+                self._count("tasks_failed")
         self._startup[rank].put((None, err))
 
     def _hub_flush_stderr(self, proc: RankProcess) -> None:
@@ -398,14 +401,15 @@ class Worker:
         payload = cloudpickle.dumps((fn, args, kwargs))
         check_size(len(payload), self.max_message_bytes, f"task {name} for rank {rank}")
         fut = TaskFuture(rank, next(self._ids), name, 0 if run is None else run.run_id,
-                         self.task_timeout if timeout is None else timeout)
+                         self.task_timeout if timeout is None else timeout, control)
         if run is not None:
             run.add_task(fut)
         with self._lock:
             dead = self._dead.get(rank)
             if dead is None:
                 self._tasks[fut.task_id] = fut
-            self._counts["tasks_submitted"] += 1
+            if not control:
+                self._counts["tasks_submitted"] += 1
         if dead is not None:
             fut.set_exception(dead)
             return fut
