@@ -7,8 +7,8 @@ import phalanx
 
 def test_top_level_all() -> None:
     assert sorted(phalanx.__all__) == sorted([
-        "Orchestrator", "RunHandle", "TaskFuture", "Worker", "WorkerStats", "__version__",
-        "current_rank",
+        "Domain", "DomainView", "Orchestrator", "RunHandle", "TaskFuture", "Worker",
+        "WorkerStats", "__version__", "current_rank",
     ])
     for name in phalanx.__all__:
         assert hasattr(phalanx, name)

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from phalanx.runtime import (
-    Orchestrator,
-    RunHandle,
-    TaskFuture,
-    Worker,
-    WorkerStats,
-    current_rank,
-)
+from phalanx.comm import Domain, DomainOrchestrator, DomainView, Worker
+from phalanx.runtime import RunHandle, TaskFuture, WorkerStats, current_rank
+
+#: The ``o`` an orch function receives (tasks and domains).
+Orchestrator = DomainOrchestrator
 
 __all__ = [
+    "Domain",
+    "DomainView",
     "Orchestrator",
     "RunHandle",
     "TaskFuture",

@@ -1,1 +1,28 @@
-"""The comm layer (see DESIGN.md, Layers)."""
+"""The comm layer: communication domains with symmetric windows and collectives.
+
+It knows nothing about HTTP or models.
+"""
+
+from ._errors import (
+    CollectiveError,
+    DomainAllocationError,
+    DomainError,
+    DomainReleasedError,
+    DomainSpecError,
+)
+from .domain import Domain, DomainState
+from .view import DomainView
+from .worker import DomainOrchestrator, Worker
+
+__all__ = [
+    "CollectiveError",
+    "Domain",
+    "DomainAllocationError",
+    "DomainError",
+    "DomainOrchestrator",
+    "DomainReleasedError",
+    "DomainSpecError",
+    "DomainState",
+    "DomainView",
+    "Worker",
+]

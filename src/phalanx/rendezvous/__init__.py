@@ -4,6 +4,7 @@ It knows nothing about domains or the cache.
 """
 
 from ._errors import (
+    HandshakeAbortedError,
     HandshakeError,
     HandshakeTimeoutError,
     RendezvousError,
@@ -21,6 +22,7 @@ BACKENDS = ("hub", "marker", "store")
 __all__ = [
     "BACKENDS",
     "Generation",
+    "HandshakeAbortedError",
     "HandshakeError",
     "HandshakeTimeoutError",
     "HubCoordinator",

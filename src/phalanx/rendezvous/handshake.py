@@ -320,8 +320,9 @@ class HubCoordinator:
 
     def __init__(self) -> None:
         self._pending: dict[tuple[int, str], _Pending] = {}
-        # Allocations aborted recently: a late arrival must not wait for peers that gone.
+        # Allocations aborted recently: a late arrival must not wait for peers that gave up.
         self._aborted: dict[int, float] = {}
+        self._dead: set[int] = set()  # ranks that died: nobody waits for them again
 
     def request(self, request_id: int, op: str, alloc_id: int, tag: str,
                 participants: tuple[int, ...], rank: int, timeout: float) -> list[Reply]:
@@ -333,6 +334,9 @@ class HubCoordinator:
                rank: int, timeout: float) -> list[Reply]:
         if alloc_id in self._aborted:
             return [(rank, request_id, None)]
+        dead = sorted(self._dead.intersection(participants))
+        if dead:
+            return [(rank, request_id, dead)]
         key = (alloc_id, tag)
         entry = self._pending.setdefault(
             key, _Pending(participants, time.monotonic() + timeout))
@@ -357,6 +361,7 @@ class HubCoordinator:
 
     def abort_rank(self, rank: int) -> list[Reply]:
         """A rank died: every handshake waiting for it is aborted."""
+        self._dead.add(rank)
         replies: list[Reply] = []
         for key, entry in list(self._pending.items()):
             if rank in entry.participants and rank not in entry.arrived:

@@ -156,7 +156,7 @@ class Orchestrator:
 
     def options(self, *, timeout: float) -> Orchestrator:
         """An orchestrator whose tasks have this deadline (seconds) instead of the default."""
-        return Orchestrator(self._run, timeout)
+        return type(self)(self._run, timeout)
 
     def defer(self, name: str, release: Callable[[], None]) -> None:
         """Run ``release`` when this run's fence retires (after all its tasks finished)."""

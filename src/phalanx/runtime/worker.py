@@ -80,6 +80,9 @@ class Worker:
     [0, 1]
     """
 
+    #: The ``o`` orch functions receive; layers above extend it (comm adds domains).
+    orchestrator_class: type[Orchestrator] = Orchestrator
+
     def __init__(
         self,
         ranks: int,
@@ -348,7 +351,7 @@ class Worker:
                                f"{self.task_timeout}s (max_concurrent_runs reached)")
         run = Run(next(self._run_ids), getattr(orch_fn, "__qualname__", repr(orch_fn)), self)
         thread = threading.Thread(
-            target=run.execute, args=(orch_fn, args, kwargs, Orchestrator(run)),
+            target=run.execute, args=(orch_fn, args, kwargs, self.orchestrator_class(run)),
             name=f"phalanx-run-{run.run_id}", daemon=True,
         )
         with self._lock:
@@ -418,6 +421,10 @@ class Worker:
         except OSError:
             pass  # the rank is gone: the hub's EOF handler fails this task with the cause
         return fut
+
+    def _alive_ranks(self) -> list[int]:
+        with self._lock:
+            return [r for r in self.ranks if r not in self._dead]
 
     def _send(self, rank: int, kind: Kind, msg_id: int, payload: bytes) -> None:
         frame = encode(kind, msg_id, payload)
