@@ -52,6 +52,10 @@ ALLOC_TAGS = ("created", "attached")
 RELEASE_TAGS = ("quiesced", "unmapped")
 PHASE_CREATED, PHASE_ATTACHED, PHASE_QUIESCED, PHASE_UNMAPPED = 1, 2, 3, 4
 _PHASE_ABORT = 0xFF
+# Sleep backoff cap while waiting on a peer's flag: short enough that a late peer costs
+# little latency, long enough that a waiter does not steal a core from the peer it waits
+# for (this machine has two).
+_MAX_BACKOFF_S = 100e-6
 _specs: dict[int, DomainSpec] = {}  # live domains of this rank, for their release
 
 
@@ -90,7 +94,7 @@ def pool_handshake(spec: DomainSpec, phase: int, timeout: float) -> None:
                     f"domain {spec.name!r} (id {spec.alloc_id}): rank {st.rank} waited "
                     f"{timeout:g}s at phase {phase}; ranks {late} never arrived", late)
             time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            delay = min(delay * 2, _MAX_BACKOFF_S)
 
 
 def _abort_pool_handshakes(spec: DomainSpec) -> None:
@@ -305,7 +309,7 @@ def ledger_report() -> dict[str, Any]:
     """This rank's ledger: stats and the event log (tests read release order from it)."""
     st = rank_comm()
     return {"stats": st.ledger.stats(),
-            "events": [(e.seq, e.what, e.rid, e.kind, e.name, e.owner)
+            "events": [(e.seq, e.what, e.rid, e.kind, e.name, e.owner, list(e.depends_on))
                        for e in st.ledger.events()],
             "entries": [(e.rid, e.kind, e.owner, list(e.depends_on)) for e in
                         st.ledger.entries()],

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 __all__ = ["DomainView", "Peer", "ShmPeer"]
 
 _SPIN = 200  # busy polls before the barrier starts to sleep
+# Sleep backoff cap while waiting on a peer's flag: short enough that a late peer costs
+# little latency, long enough that a waiter does not steal a core from the peer it waits
+# for (this machine has two).
+_MAX_BACKOFF_S = 100e-6
 
 
 class Peer(Protocol):
@@ -136,6 +140,12 @@ class DomainView:
         """Read ``nbytes`` from ``peer``'s window at ``offset``."""
         return bytes(self._bounds(peer, offset, nbytes))
 
+    def get_into(self, peer: int, offset: int, out: Any) -> None:
+        """Read ``len(out)`` bytes from ``peer``'s window at ``offset`` into ``out``: no
+        allocation, one memcpy (what bulk transfers should use)."""
+        dst = memoryview(out).cast("B")
+        dst[:] = self._bounds(peer, offset, len(dst))
+
     # -- synchronisation --------------------------------------------------------------
     def barrier(self, timeout: float | None = None) -> None:
         """Every member arrives before any leaves. Single-writer epoch flags in the notify
@@ -162,7 +172,7 @@ class DomainView:
                         f"arrive within {self.timeout:g}s (domain rank {self.domain_rank} "
                         f"waited)")
                 time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
+                delay = min(delay * 2, _MAX_BACKOFF_S)
 
     def revoke(self) -> None:
         self._revoked = True

@@ -53,6 +53,11 @@ class Worker(runtime.Worker):
         # released while the rank control channels still work.
         self._journal.add("release domains and the base communicator", self.domains.close)
 
+    def release_domain(self, domain: Domain) -> None:
+        """Release ``domain`` from outside a run: revoke it, or replay the outcome of its
+        release (a failed release re-raises the same error; it never runs twice)."""
+        self.domains.release_logical(domain)
+
     @property
     def live_domains(self) -> list[Domain]:
         return self.domains.live()

@@ -53,6 +53,7 @@ class Event:
     kind: str
     name: str
     owner: str
+    depends_on: tuple[int, ...]
 
 
 @dataclass(eq=False)
@@ -226,7 +227,8 @@ class Ledger:
 
     # -- inspection ---------------------------------------------------------------------
     def _log(self, what: str, e: Entry) -> None:
-        self._events.append(Event(next(self._seq), what, e.rid, e.kind, e.name, e.owner))
+        self._events.append(Event(next(self._seq), what, e.rid, e.kind, e.name, e.owner,
+                                  e.depends_on))
 
     def events(self) -> list[Event]:
         with self._lock:
