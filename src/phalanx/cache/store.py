@@ -455,6 +455,53 @@ class DiskStore:
         thin_record(self.directory, header, self.fsync, renamed)
         return JobOutcome.DONE
 
+    # -- replication (replica.py, reconcile.py) ----------------------------------------
+    def record_states(self) -> dict[bytes, bool]:
+        """Key -> thinned for every attached record: what ranks compare at start-up."""
+        with self._mutex:
+            return {k: r.thinned for k, r in self._index.records.items()}
+
+    def prefix_keys(self, key: bytes) -> list[bytes]:
+        """Page keys of the cached prefix that ends at node ``key`` ([] when not cached)."""
+        with self._mutex:
+            node = self._index.nodes.get(key)
+            out: list[bytes] = []
+            while node is not None and node.depth:
+                out.append(node.key)
+                node = node.parent
+            out.reverse()
+            return out
+
+    def discard(self, key: bytes) -> bool:
+        """Remove record ``key`` wherever it sits (start-up reconciliation only).
+
+        Records that only it made reachable become orphans, which maintenance drops.
+        False when it is not an attached record; a pinned one is removed all the same
+        (its load finishes from the open file).
+        """
+        with self._mutex:
+            self._check_open()
+            rec = self._index.records.get(key)
+            if rec is None:
+                return False
+            self._index.remove(rec)
+            remove_record(self.directory, rec.key)
+            self._index.forget_orphan(rec.key)
+            self._stats.dropped += 1
+            return True
+
+    def purge_leftovers(self) -> int:
+        """Apply only the jobs that decide nothing about records: temp files, bad files
+        and orphans. A replica's own leftovers, whose names rank 0 cannot know."""
+        with self._mutex:
+            self._check_open()
+            sched = self._scheduler
+            jobs = [Job(JobKind.PURGE_TEMP, name=n) for n in sched.temps]
+            jobs += [Job(JobKind.QUARANTINE, name=n) for n in sched.bad]
+            jobs += [Job.for_record(JobKind.DROP, r) for r in self._index.orphans.values()
+                     if not r.pins]
+            return sum(self._apply_locked(j) is JobOutcome.DONE for j in jobs)
+
     # -- audit and stats ---------------------------------------------------------------
     def check(self) -> list[str]:
         """Audit the index against the directory; returns problems (empty when sound)."""

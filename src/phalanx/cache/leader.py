@@ -1,0 +1,274 @@
+"""Rank 0's side of replication: every decision, applied here first, then sent to peers.
+
+Ordering. One lock (``_order``) covers "apply on rank 0, queue to every link", so the
+order of ops on each link is the order rank 0 applied them in; each peer applies in
+arrival order and passes through the same states.
+
+Two lanes share each link's window:
+
+* request lane (``store``, ``load``): never waits to be queued; may use the whole
+  window; while any request is waiting, maintenance issues nothing new.
+* maintenance lane (``poll``/``maintain``): decides jobs from the Scheduler only while
+  every link has room beyond ``reserve`` credits, so a burst of any size is a stream
+  throttled by the slowest peer, never a flood of queued frames (the DESIGN.md
+  incident: regression test
+  ``test_replication_incident.py::test_recovered_chain_needs_maintenance_everywhere``),
+  and a store arriving mid-burst finds at most ``window - reserve`` ops ahead of it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ._errors import ReplicaDivergedError
+from .frames import Bye, JobOp, LoadOp, Reconcile, RecordSet, StoreOp, records_digest
+from .keys import ROOT_KEY, KeyChain, Tokens
+from .kv_source import KVSource
+from .link import PeerLink
+from .maintenance import Job, JobKind
+from .reconcile import ReconcilePlan, plan
+from .store import DiskStore, StoreResult
+
+__all__ = ["JobCollector", "Leader", "MaintainReport"]
+
+log = logging.getLogger("phalanx.cache")
+
+
+class JobCollector:
+    """DiskStore's ``on_job`` hook: collects the jobs a call applied, per thread, so
+    the caller can send exactly those (evictions of a store, jobs of a poll)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __call__(self, job: Job) -> None:
+        jobs: list[Job] | None = getattr(self._local, "jobs", None)
+        if jobs is not None:  # None: a call outside collect(), nothing to replicate
+            jobs.append(job)
+
+    @contextlib.contextmanager
+    def collect(self) -> Iterator[list[Job]]:
+        jobs: list[Job] = []
+        self._local.jobs = jobs
+        try:
+            yield jobs
+        finally:
+            self._local.jobs = None
+
+
+@dataclass
+class MaintainReport:
+    jobs: dict[str, int] = field(default_factory=dict)  # kind -> jobs applied everywhere
+    seconds: float = 0.0
+    waits_for_credits: int = 0  # times the lane waited for a peer's window
+
+
+class Leader:
+    def __init__(self, store: DiskStore, collector: JobCollector, source: KVSource,
+                 links: dict[int, PeerLink], *, reserve: int,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.source = source
+        self.links = links
+        self.reserve = reserve
+        self._collector = collector
+        self._order = threading.Lock()
+        self._requests = 0  # request-lane calls in progress: maintenance yields to them
+        self._req_lock = threading.Lock()
+        self._now = now
+        self.jobs_sent: collections.Counter[str] = collections.Counter()
+
+    # -- request lane ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[None]:
+        with self._req_lock:
+            self._requests += 1
+        try:
+            yield
+        finally:
+            with self._req_lock:
+                self._requests -= 1
+
+    def store_chain(self, chain: KeyChain, from_page: int | None = None,
+                    wait: bool = True) -> StoreResult:
+        """Store the uncached suffix of ``chain`` (or from ``from_page``) on every rank;
+        returns rank 0's result once every peer acked (a peer's failure raises the
+        link's error). ``wait=False`` returns once queued (bulk writers: they wait for
+        credits first with ``wait_room`` and ``drain`` at the end)."""
+        with self._request():
+            with self._order:
+                keys = chain.keys
+                cached = self.store.lookup(chain)
+                start = min(cached, len(keys) - 1)
+                if from_page is not None:
+                    start = min(start, from_page)
+                with self._collector.collect() as evicted:
+                    res = self.store.store(chain, self.source.row(keys, start))
+                if not res.stored and not evicted:
+                    return res
+                op_start = res.start_page
+                seqs = {}
+                for rank, link in self.links.items():
+                    for job in evicted:
+                        link.submit(functools.partial(JobOp, job=job))
+                    if res.stored:
+                        seqs[rank] = link.submit(lambda s: StoreOp(
+                            s, keys[op_start - 1] if op_start else ROOT_KEY, op_start,
+                            keys[op_start:]))
+                for job in evicted:
+                    self.jobs_sent[job.kind.value] += 1
+            for rank, seq in seqs.items() if wait else ():
+                self.links[rank].wait_acked(seq)
+            return res
+
+    def wait_room(self, timeout: float | None = None) -> None:
+        """Until every link has a credit beyond the reserve (bulk writers' throttle)."""
+        for link in self.links.values():
+            link.wait(functools.partial(_has_room, link, self.reserve), timeout)
+
+    def load_chain(self, chain: KeyChain, n_pages: int) -> dict[int, int]:
+        """Every rank loads pages 0..n-1 of its shard into its KV source; returns the
+        crc32 of the bytes each rank loaded (rank -> crc)."""
+        with self._request():
+            keys = chain.keys[:n_pages]
+            with self._order:  # peers load before any later eviction reaches them
+                seqs = {r: ln.submit(lambda s: LoadOp(s, keys), want_reply=True)
+                        for r, ln in self.links.items()}
+                view = self.store.load(chain, n_pages)
+            self.source.loaded(keys, view)
+            crcs = {0: zlib.crc32(view)}
+            for rank, seq in seqs.items():
+                crcs[rank] = self.links[rank].reply(seq).crc
+            return crcs
+
+    def lookup(self, tokens: Tokens | KeyChain) -> int:
+        return self.store.lookup(tokens)
+
+    # -- maintenance lane -------------------------------------------------------------
+    def _room(self) -> int:
+        rooms = [ln.room() - self.reserve for ln in self.links.values()]
+        return min(rooms, default=1 << 30)
+
+    def poll(self, max_jobs: int) -> int:
+        """Decide and replicate at most ``max_jobs`` jobs, as credits allow; 0 when the
+        lane must wait (no credits, or requests waiting) or nothing is left to do."""
+        return self._poll(max_jobs) or 0
+
+    def _poll(self, max_jobs: int) -> int | None:
+        """Jobs decided and queued; None when the lane had to wait (credits, requests)."""
+        room = min(self._room(), max_jobs)
+        if room <= 0 or self._requests:
+            return None
+        with self._order:
+            with self._collector.collect() as jobs:
+                self.store.poll(room)
+            for link in self.links.values():
+                for job in jobs:
+                    link.submit(functools.partial(JobOp, job=job))
+        for job in jobs:
+            self.jobs_sent[job.kind.value] += 1
+        return len(jobs)
+
+    def maintain(self, timeout: float | None = None) -> MaintainReport:
+        """Run maintenance to completion on every rank (decided, applied, acked)."""
+        t0 = self._now()
+        before = collections.Counter(self.jobs_sent)
+        report = MaintainReport()
+        while timeout is None or self._now() - t0 < timeout:
+            n = self._poll(1 << 30)
+            if n == 0:
+                break  # the scheduler has nothing left
+            if n is not None:
+                continue
+            if self._requests:
+                time.sleep(0.001)  # requests first; they finish within their acks
+                continue
+            report.waits_for_credits += 1
+            # A full window means wait for the slowest peer's credits, never "broken".
+            # A stalled peer fails its link within job_timeout, which raises here.
+            for link in self.links.values():
+                link.wait(functools.partial(_has_room, link, self.reserve),
+                          _left(t0, timeout, self._now))
+        undrained = self.drain(_left(t0, timeout, self._now))
+        if undrained:
+            log.warning("maintenance of %s did not drain in time: %s", self.store.directory,
+                        undrained)
+        report.jobs = dict(self.jobs_sent - before)
+        report.seconds = self._now() - t0
+        return report
+
+    def drain(self, timeout: float | None) -> dict[int, str]:
+        """Wait until every peer acked everything queued; rank -> what did not drain."""
+        left: dict[int, str] = {}
+        end = None if timeout is None else self._now() + timeout
+        for rank, link in self.links.items():
+            inflight, pending = link.outstanding()
+            target = link.acked + inflight + pending  # seqs after acked are all queued
+            if not link.wait_acked(target, None if end is None else max(0.0, end - self._now())):
+                left[rank] = link.describe()
+        return left
+
+    # -- start-up and shut-down --------------------------------------------------------
+    def reconcile(self, peer_sets: dict[int, RecordSet]) -> ReconcilePlan:
+        """Make every rank hold rank 0's record set minus what some rank lacks; raises
+        ReplicaDivergedError when the ranks still disagree afterwards."""
+        states = {0: self.store.record_states()}
+        for rank, rs in peer_sets.items():
+            states[rank] = dict(zip(rs.keys, rs.thinned, strict=True))
+        p = plan(states)
+        with self._order:
+            for key in p.discard:
+                self.store.discard(key)
+            for key in p.thin:
+                self.store.apply_job(Job(JobKind.THIN, key=key))
+            seqs = {r: ln.submit(lambda s: Reconcile(s, p.discard, p.thin), want_reply=True)
+                    for r, ln in self.links.items()}
+            mine = records_digest(self.store.record_states())
+        if not p.empty:
+            log.warning("cache %s: start-up reconciliation: %s", self.store.directory,
+                        p.summary())
+        bad = {r: self.links[r].describe() for r, s in seqs.items()
+               if self.links[r].reply(s).digest != mine}
+        if bad:
+            raise ReplicaDivergedError(
+                f"cache {self.store.directory}: after reconciliation ({p.summary()}) peers "
+                f"{sorted(bad)} still hold other records than rank 0; the job does not "
+                "serve; run `phalanx cache verify` on each rank's directory")
+        return p
+
+    def close(self, timeout: float) -> list[str]:
+        """Drain within ``timeout``, say BYE, close links and the store; returns what did
+        not drain or close (empty when clean)."""
+        end = self._now() + timeout
+        problems: list[str] = []
+        for rank, link in self.links.items():
+            if link.error is not None:
+                problems.append(f"peer rank {rank}: {link.error}")
+                continue
+            try:
+                seq = link.submit(Bye)
+                if not link.wait_acked(seq, max(0.0, end - self._now())):
+                    problems.append(f"did not drain: {link.describe()}")
+            except Exception as exc:  # noqa: BLE001  collected: every link still closes
+                problems.append(f"peer rank {rank}: {exc}")
+        for link in self.links.values():
+            problems += link.close(max(0.1, end - self._now()))
+        self.store.close()
+        return problems
+
+
+def _has_room(link: PeerLink, reserve: int) -> bool:
+    inflight, pending = link.outstanding()  # called under the link lock: an RLock
+    return link.window - inflight - pending > reserve
+
+
+def _left(t0: float, timeout: float | None, now: Callable[[], float]) -> float | None:
+    return None if timeout is None else max(0.0, timeout - (now() - t0))
