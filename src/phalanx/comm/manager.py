@@ -24,7 +24,7 @@ from phalanx.rendezvous import HandshakeAbortedError
 from . import rank_ops
 from ._errors import DomainAllocationError, DomainReleasedError, DomainSpecError
 from .domain import Domain, DomainState
-from .rank_state import NOTIFY_SLOTS
+from .rank_state import DOMAIN_SLOTS
 from .shm import SHM_DIR
 from .spec import DomainSpec
 
@@ -42,6 +42,7 @@ _BASE_BEGIN = Failpoint("base.init.begin", "parent: about to create the base com
 _MEMBERS_DONE = Failpoint("domain.alloc.members_done", "parent: every member allocated")
 _LOGICAL = Failpoint("domain.release.logical", "parent: release_domain revokes the domain")
 _PHYSICAL = Failpoint("domain.release.physical", "parent: the fence releases the domain")
+_BASE_RELEASE = Failpoint("base.release.ranks", "parent: about to release the base on ranks")
 
 
 def _root_causes(failures: dict[int, BaseException]) -> dict[int, BaseException]:
@@ -67,7 +68,7 @@ class DomainManager:
         self._lock = threading.Lock()
         self._names: dict[str, Domain | None] = {}  # live names (None: being allocated)
         self._entries: dict[int, tuple[Domain, Entry]] = {}
-        self._free_slots = list(range(NOTIFY_SLOTS - 1, -1, -1))
+        self._free_slots = list(range(DOMAIN_SLOTS - 1, -1, -1))
         self._base_lock = threading.Lock()
         self._base: Entry | None = None
 
@@ -80,7 +81,7 @@ class DomainManager:
                 raise DomainSpecError(f"domain name {name!r} is in use by a live domain; "
                                       f"names are unique among live domains")
             if not self._free_slots:
-                raise DomainSpecError(f"{NOTIFY_SLOTS} domains are live: release some first")
+                raise DomainSpecError(f"{DOMAIN_SLOTS} domains are live: release some first")
             self._names[name] = None
             spec = DomainSpec(next(self._ids), name, tuple(ranks), window_size,
                               tuple((str(b), int(n)) for b, n in buffers), scratch_size,
@@ -202,6 +203,7 @@ class DomainManager:
             self._free_slots.append(domain.spec.slot)
 
     def _release_base(self) -> None:
+        _BASE_RELEASE.hit()
         alive = self.worker._alive_ranks()
         outcomes = self.worker._call_ranks(alive, rank_ops.base_release, timeout=self.timeout)
         failures = [v for v in outcomes.values() if isinstance(v, Exception)]

@@ -8,6 +8,7 @@ Handshakes go through the job's rendezvous backend, the same on one host or many
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,16 @@ from phalanx.lifecycle.ledger import Entry, ResourceState
 from phalanx.rendezvous import HandshakeAbortedError, HandshakeTimeoutError, current
 
 from . import shm
-from .rank_state import BASE_OWNER, POOL_BYTES, SLOT_WORDS, pool_name, rank_comm
+from .rank_state import (
+    BASE_OWNER,
+    HEADER_SLOT,
+    LIVENESS_CHECK_S,
+    POOL_BYTES,
+    SLOT_WORDS,
+    pid_alive,
+    pool_name,
+    rank_comm,
+)
 from .spec import DomainSpec, segment_name
 from .view import DomainView, ShmPeer
 
@@ -33,6 +43,9 @@ _BASE_POOL_MAPPED = _F("base.init.pool_mapped", "rank: own notify pool mapped")
 _BASE_PEERS_MAPPED = _F("base.init.peers_mapped", "rank: every peer's notify pool mapped")
 _BASE_POOL_UNLINKED = _F("base.init.pool_unlinked", "rank: own notify pool name unlinked")
 _BASE_RELEASE = _F("base.release.begin", "rank: releasing the base communicator")
+_BASE_POOL_UNMAP = _F("base.release.pool_unmap", "rank: about to unmap its own notify pool")
+_BASE_PEER_UNMAP = _F("base.release.peer_pool_unmap", "rank: about to unmap a peer's pool")
+_NAME_UNLINK = _F("domain.alloc.name_unlink", "rank: about to unlink its segment name")
 _SEG_CREATED = _F("domain.alloc.segment_created", "rank: domain segment name created")
 _WINDOW_MAPPED = _F("domain.alloc.window_mapped", "rank: own segment mapped")
 _SLOT_BORROWED = _F("domain.alloc.slot_borrowed", "rank: notify slot borrowed and zeroed")
@@ -77,6 +90,7 @@ def pool_handshake(spec: DomainSpec, phase: int, timeout: float) -> None:
     for r in spec.members:
         flags = st.flags[r]
         spins, delay = 0, 5e-6
+        next_check = time.monotonic() + LIVENESS_CHECK_S
         while True:
             value = int(flags[word])
             if value == spec.alloc_id << 8 | _PHASE_ABORT:
@@ -88,7 +102,14 @@ def pool_handshake(spec: DomainSpec, phase: int, timeout: float) -> None:
             spins += 1
             if spins < 200:
                 continue
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > next_check:
+                next_check = now + LIVENESS_CHECK_S
+                if not pid_alive(st.pids[r]):
+                    raise HandshakeTimeoutError(
+                        f"domain {spec.name!r} (id {spec.alloc_id}) phase {phase}: rank "
+                        f"{st.rank} stopped waiting: rank {r} (pid {st.pids[r]}) is dead", [r])
+            if now > deadline:
                 late = [m for m in spec.members if int(st.flags[m][word]) < target]
                 raise HandshakeTimeoutError(
                     f"domain {spec.name!r} (id {spec.alloc_id}): rank {st.rank} waited "
@@ -125,7 +146,8 @@ def base_init(attempt_id: int, world: list[int], timeout: float) -> None:
         _BASE_POOL_CREATED.hit()
         map_entry = st.ledger.acquiring("notify pool mapping", name, BASE_OWNER, shared=True)
         pool = shm.map_fd(fd, POOL_BYTES)
-        map_entry.live(pool.close, handle=pool)
+        map_entry.live(_step(_BASE_POOL_UNMAP, pool.close), handle=pool)
+        _flags(pool)[HEADER_SLOT * SLOT_WORDS] = os.getpid()
         _BASE_POOL_MAPPED.hit()
         current.handshake("poolcreated", attempt_id, world, timeout)
         peers: dict[int, Any] = {st.rank: pool}
@@ -136,7 +158,7 @@ def base_init(attempt_id: int, world: list[int], timeout: float) -> None:
             e = st.ledger.acquiring("peer notify pool mapping", peer_name, BASE_OWNER,
                                     shared=True)
             mm = shm.map_fd(shm.open_segment(peer_name), POOL_BYTES)
-            e.live(mm.close, handle=mm)
+            e.live(_step(_BASE_PEER_UNMAP, mm.close), handle=mm)
             peers[r] = mm
         _BASE_PEERS_MAPPED.hit()
         current.handshake("poolmapped", attempt_id, world, timeout)
@@ -147,6 +169,7 @@ def base_init(attempt_id: int, world: list[int], timeout: float) -> None:
         raise
     st.pool, st.pool_entry = pool, map_entry
     st.flags = {r: _flags(mm) for r, mm in peers.items()}
+    st.pids = {r: int(f[HEADER_SLOT * SLOT_WORDS]) for r, f in st.flags.items()}
 
 
 def base_release() -> None:
@@ -171,7 +194,7 @@ def domain_alloc(spec: DomainSpec, timeout: float) -> None:
         name = segment_name(spec.generation, spec.alloc_id, st.rank)
         name_entry = st.ledger.acquiring("segment name", name, owner)
         fd = shm.create_segment(name, spec.segment_size)
-        name_entry.live(lambda: shm.unlink_segment(name))
+        name_entry.live(_step(_NAME_UNLINK, lambda: shm.unlink_segment(name)))
         _SEG_CREATED.hit()
         own_entry = st.ledger.acquiring("segment mapping", name, owner)
         own = shm.map_fd(fd, spec.segment_size)
@@ -198,9 +221,9 @@ def domain_alloc(spec: DomainSpec, timeout: float) -> None:
         _ATTACHED.hit()
         st.ledger.release(name_entry)  # every member mapped it: SIGKILL now leaves nothing
         _NAME_UNLINKED.hit()
-        peers = {spec.members.index(r): ShmPeer(e.handle, spec, st.flags[r])
+        peers = {spec.members.index(r): ShmPeer(e.handle, spec, st.flags[r], st.pids[r])
                  for r, e in mappings.items()}
-        peers[spec.members.index(st.rank)] = ShmPeer(own, spec, own_flags)
+        peers[spec.members.index(st.rank)] = ShmPeer(own, spec, own_flags, os.getpid())
         view = DomainView(spec, st.rank, peers, own_flags, timeout)
         view_entry = st.ledger.acquiring(
             "domain view", spec.name, owner,

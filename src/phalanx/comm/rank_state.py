@@ -10,6 +10,7 @@ counted as shared resources, until the Worker closes.
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,12 +18,31 @@ import numpy as np
 from phalanx.lifecycle.ledger import Entry, Ledger
 from phalanx.runtime import _context
 
-__all__ = ["BASE_OWNER", "NOTIFY_SLOTS", "SLOT_WORDS", "RankComm", "rank_comm"]
+__all__ = ["BASE_OWNER", "DOMAIN_SLOTS", "NOTIFY_SLOTS", "SLOT_WORDS", "RankComm", "pid_alive",
+           "rank_comm"]
 
 BASE_OWNER = "base communicator"
 NOTIFY_SLOTS = 4096  # live domains at once
 SLOT_WORDS = 8  # u64 words per slot (64 bytes: one cache line per domain per rank)
 POOL_BYTES = NOTIFY_SLOTS * SLOT_WORDS * 8
+HEADER_SLOT = NOTIFY_SLOTS - 1  # not lent to domains: word 0 holds the owner rank's pid
+DOMAIN_SLOTS = NOTIFY_SLOTS - 1
+LIVENESS_CHECK_S = 0.05  # how often a waiter checks that the peer it waits for still lives
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie awaiting its parent's reaping counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 def pool_name(generation: str, rank: int) -> str:
@@ -37,6 +57,7 @@ class RankComm:
     pool: mmap.mmap | None = None
     pool_entry: Entry | None = None
     flags: dict[int, np.ndarray] = field(default_factory=dict)  # rank -> u64 view of its pool
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid, read from its pool
     views: dict[int, object] = field(default_factory=dict)  # alloc id -> DomainView
 
     @property

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import collectives
 from ._errors import CollectiveError, DomainError, DomainReleasedError
+from .rank_state import LIVENESS_CHECK_S, pid_alive
 from .spec import DomainSpec
 
 if TYPE_CHECKING:
@@ -43,10 +44,12 @@ class Peer(Protocol):
 class ShmPeer:
     """A same-host member: its segment mapped into this process."""
 
-    def __init__(self, segment: mmap.mmap, spec: DomainSpec, flags: np.ndarray) -> None:
+    def __init__(self, segment: mmap.mmap, spec: DomainSpec, flags: np.ndarray,
+                 pid: int) -> None:
         self._mem = memoryview(segment)
         self._spec = spec
         self._flags = flags
+        self.pid = pid
 
     def window(self) -> memoryview:
         return self._mem[self._spec.window_offset:self._spec.window_offset + self._spec.window_size]
@@ -161,16 +164,26 @@ class DomainView:
                 continue
             spins = 0
             delay = 5e-6
+            next_check = time.monotonic() + LIVENESS_CHECK_S
             while peer.flag() < epoch:
                 spins += 1
                 if spins < _SPIN:
                     continue
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > next_check:
+                    next_check = now + LIVENESS_CHECK_S
+                    if not pid_alive(peer.pid):
+                        raise CollectiveError(
+                            f"domain {self.name!r} barrier {self._epoch}: domain rank {r} "
+                            f"(rank {self.members[r]}, pid {peer.pid}) is dead; domain rank "
+                            f"{self.domain_rank} (rank {self.members[self.domain_rank]}) "
+                            f"stopped waiting")
+                if now > deadline:
                     late = [m for m, p in self._peers.items() if p.flag() < epoch]
                     raise CollectiveError(
-                        f"domain {self.name!r} barrier {epoch}: domain ranks {late} did not "
-                        f"arrive within {self.timeout:g}s (domain rank {self.domain_rank} "
-                        f"waited)")
+                        f"domain {self.name!r} barrier {self._epoch}: domain ranks {late} "
+                        f"(ranks {[self.members[m] for m in late]}) did not arrive within "
+                        f"{self.timeout:g}s (domain rank {self.domain_rank} waited)")
                 time.sleep(delay)
                 delay = min(delay * 2, _MAX_BACKOFF_S)
 

@@ -418,8 +418,15 @@ class Worker:
             return fut
         try:
             self._send(rank, Kind.CONTROL if control else Kind.TASK, fut.task_id, payload)
-        except OSError:
-            pass  # the rank is gone: the hub's EOF handler fails this task with the cause
+        except OSError as err:
+            # The rank is gone. Its EOF handler may have failed the task already, or may
+            # never run (close() unregisters stopped ranks): fail it here either way.
+            with self._lock:
+                self._tasks.pop(fut.task_id, None)
+                cause = self._dead.get(rank)
+            fut.set_exception(cause or RankDiedError(
+                f"rank {rank}: its control channel is closed ({err.strerror}); the rank is "
+                f"gone", rank, None))
         return fut
 
     def _alive_ranks(self) -> list[int]:
@@ -520,6 +527,9 @@ class Worker:
         for p in self._procs.values():
             self._hub.remove(p.sock, p.proc.stderr)
             p.close_fds()
+            with self._lock:
+                self._dead.setdefault(p.rank, RankDiedError(
+                    f"{p.describe()}: stopped by Worker.close()", p.rank, p.proc.poll()))
 
     def _join_runs(self) -> None:
         deadline = getattr(self, "_close_deadline", time.monotonic() + self.close_timeout)

@@ -167,10 +167,10 @@ def _gloo(ranks: int, cycles: int, barriers: int) -> dict[str, Any]:
             f.result()
         before = _sum([o.submit(r, _resources).result() for r in members])
         runs = [o.submit(r, _gloo_cycles, cycles, ranks) for r in members]
-        samples = [f.result() for f in runs][0]
+        samples = [f.result() for f in runs][0]  # noqa: RUF015  (wait for every rank)
         after = _sum([o.submit(r, _resources).result() for r in members])
         lat = [o.submit(r, _gloo_barriers, barriers) for r in members]
-        barrier = [f.result() for f in lat][0]
+        barrier = [f.result() for f in lat][0]  # noqa: RUF015  (wait for every rank)
         for f in [o.submit(r, _gloo_done) for r in members]:
             f.result()
         return {"cycle_us_p50": round(percentile(samples, 50) * 1e6, 1),
