@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
+from operator import attrgetter
 
 from .keys import ROOT_KEY
 
@@ -68,6 +69,7 @@ class Index:
         self.orphans: dict[bytes, Record] = {}  # detached: unreachable, files to drop
         self.thin_candidates: dict[bytes, None] = {}  # insertion-ordered set
         self.bytes = 0
+        self.changes = 0  # mutations (attach, thin, remove, forget): snapshot staleness
         self._clock = itertools.count(1)
         self._lru: list[tuple[int, bytes]] = []  # (last_used, key) of leaf candidates
         self._age: list[tuple[float, bytes]] = []  # (created, key) of leaf candidates
@@ -111,8 +113,13 @@ class Index:
             heapq.heappush(self._lru, (rec.last_used, rec.key))
 
     # -- mutation ----------------------------------------------------------------
-    def add(self, rec: Record, keys: list[bytes], parent: Node) -> None:
-        """Attach ``rec`` whose span pages have ``keys``, below ``parent`` (depth start)."""
+    def add(self, rec: Record, keys: list[bytes], parent: Node, recovering: bool = False) -> None:
+        """Attach ``rec`` whose span pages have ``keys``, below ``parent`` (depth start).
+
+        ``recovering``: a bulk build that ends with ``reseed()``, which sets LRU order
+        and the heaps for every record at once; skip them here.
+        """
+        self.changes += 1
         node = parent
         path: list[Node] = []
         for k in keys:
@@ -137,6 +144,8 @@ class Index:
                     older.start >= rec.start
                 ):
                     self.thin_candidates[older.key] = None
+        if recovering:
+            return
         self.touch(rec)
         heapq.heappush(self._age, (rec.created, rec.key))
 
@@ -150,6 +159,7 @@ class Index:
             node = nxt
         if node.record is not None:
             return False
+        self.changes += 1
         rec.node = node
         node.record = rec
         self.records[rec.key] = rec
@@ -169,6 +179,7 @@ class Index:
         return out
 
     def thin(self, rec: Record, new_file_len: int) -> None:
+        self.changes += 1
         for n in self.span_nodes(rec):
             n.covers.remove(rec)
         rec.thinned = True
@@ -183,6 +194,7 @@ class Index:
         Returns the records that became unreachable (now orphans whose files must be
         dropped). ``rec`` itself becomes an orphan until its file is gone.
         """
+        self.changes += 1
         path = self.span_nodes(rec)
         if not rec.thinned:
             for n in path:
@@ -219,10 +231,12 @@ class Index:
     def forget_orphan(self, key: bytes) -> Record | None:
         rec = self.orphans.pop(key, None)
         if rec is not None:
+            self.changes += 1
             self.bytes -= rec.file_len
         return rec
 
     def add_orphan(self, rec: Record) -> None:
+        self.changes += 1
         self.orphans[rec.key] = rec
         self.bytes += rec.file_len
 
@@ -295,14 +309,25 @@ class Index:
 
     def reseed(self) -> None:
         """After recovery: LRU order = creation order; rebuild heaps and thin candidates."""
-        for rec in sorted(self.records.values(), key=lambda r: r.created):
-            rec.last_used = next(self._clock)
-        self._lru, self._age = [], []
+        clock = self._clock
+        for rec in sorted(self.records.values(), key=attrgetter("created")):
+            rec.last_used = next(clock)
+        lru: list[tuple[int, bytes]] = []
+        age: list[tuple[float, bytes]] = []
+        is_leaf, is_thinnable, thin = self.is_leaf, self.is_thinnable, self.thin_candidates
         for rec in self.records.values():
-            if self.is_leaf(rec):
-                self._push_leaf(rec)
-            if self.is_thinnable(rec):
-                self.thin_candidates[rec.key] = None
+            node = rec.node
+            if rec.thinned or node is None:
+                continue  # neither a leaf nor thinnable
+            # fast paths of is_leaf / is_thinnable for the common one-page, one-cover case
+            if not node.children and (rec.end - rec.start == 1 or is_leaf(rec)):
+                lru.append((rec.last_used, rec.key))
+                age.append((rec.created, rec.key))
+            if len(node.covers) > 1 and is_thinnable(rec):
+                thin[rec.key] = None
+        heapq.heapify(lru)
+        heapq.heapify(age)
+        self._lru, self._age = lru, age
 
     def _compact(self) -> None:
         # I4: touches push fresh entries; rebuild so the heap stays bounded by the index

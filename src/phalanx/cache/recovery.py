@@ -8,11 +8,15 @@ row would make a restart cost the whole disk.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 from tqdm import tqdm
 
 from .files import QUARANTINE_DIR, is_temp_name
@@ -20,13 +24,23 @@ from .geometry import Geometry
 from .index import Index, Node, Record
 from .lock import LOCK_NAME
 from .manifest import MANIFEST_NAME
-from .record import HEADER_PROBE, RECORD_SUFFIX, HeaderError, RecordHeader, record_name
+from .record import (
+    FLAG_THINNED,
+    HEADER_PROBE,
+    RECORD_SUFFIX,
+    HeaderError,
+    RecordHeader,
+    record_name,
+)
+from .snapshot import SNAPSHOT_NAME, Columns, Fact, read_snapshot
 
-__all__ = ["ScanResult", "build_index", "read_header", "scan"]
+__all__ = [
+    "ScanResult", "build_index", "build_index_columns", "no_gc", "read_header", "recover", "scan",
+]
 
 log = logging.getLogger("phalanx.cache")
 
-_OURS = frozenset({LOCK_NAME, MANIFEST_NAME, QUARANTINE_DIR})
+_OURS = frozenset({LOCK_NAME, MANIFEST_NAME, QUARANTINE_DIR, SNAPSHOT_NAME})
 _NAME_LEN = 32 + len(RECORD_SUFFIX)
 
 
@@ -37,6 +51,10 @@ class ScanResult:
     bad: list[tuple[str, str]] = field(default_factory=list)  # (name, reason): ours, broken
     foreign: list[str] = field(default_factory=list)  # not named like ours: left alone
     seconds: float = 0.0
+    # recover() only: every good record's header facts
+    columns: Columns = field(default_factory=Columns)
+    from_snapshot: int = 0  # of columns: taken from the snapshot, header not read
+    snapshot: str = "absent"  # "absent", "ignored" (unreadable/stale as a whole), "used"
 
     def skipped(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -51,6 +69,19 @@ class _Bar(tqdm):  # type: ignore[misc]
     # tqdm starts a monitor thread per process for any bar, even a disabled one; it
     # would outlive the store (the leak check counts threads). Our bar updates itself.
     monitor_interval = 0
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Cyclic GC off while recovery builds 100,000s of objects that all stay alive:
+    each collection would traverse the growing index for nothing (half of the time)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def read_header(path: str) -> RecordHeader:
@@ -120,8 +151,102 @@ def scan(directory: str, geometry: Geometry | None, fingerprint: bytes | None,
     return res
 
 
+def _fact(h: RecordHeader) -> Fact:
+    return (h.key, h.parent, h.start_page, h.end_page, h.row_len, h.file_len, h.created,
+            h.flags, h.keys)
+
+
+def recover(directory: str, geometry: Geometry, fingerprint: bytes,
+            progress: bool = True) -> ScanResult:
+    """Like ``scan``, with the snapshot: one ``stat`` per record file, and a header read
+    only for files the snapshot does not cover exactly (see snapshot.py)."""
+    t0 = time.perf_counter()
+    res = ScanResult()
+    snap = read_snapshot(directory, geometry, fingerprint)
+    has_file = os.path.exists(os.path.join(directory, SNAPSHOT_NAME))
+    res.snapshot = "used" if snap is not None else ("ignored" if has_file else "absent")
+    rows: dict[str, int] = snap.rows if snap is not None else {}
+    empty: list[int] = []
+    cols = snap.columns if snap is not None else Columns()
+    sizes, mtimes = cols.file_lens, snap.mtimes if snap is not None else empty
+    ctimes, inos = (snap.ctimes, snap.inos) if snap is not None else (empty, empty)
+    cutoff = snap.cutoff_ns if snap is not None else 0
+    trusted: list[int] = []
+    to_read: list[str] = []
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with os.scandir(directory) as it:
+            names = [e.name for e in it]
+        stat = os.stat
+        get = rows.get
+        for name in names:
+            if name in _OURS:
+                continue
+            if is_temp_name(name):
+                res.temps.append(name)
+                continue
+            if len(name) != _NAME_LEN or not name.endswith(RECORD_SUFFIX):
+                res.foreign.append(name)
+                continue
+            i = get(name)
+            if i is None:
+                to_read.append(name)
+                continue
+            try:
+                st = stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                res.bad.append((name, "unreadable"))
+                continue
+            m = st.st_mtime_ns
+            if (m < cutoff and m == mtimes[i] and st.st_size == sizes[i]
+                    and st.st_ino == inos[i] and st.st_ctime_ns == ctimes[i]):
+                trusted.append(i)
+            else:
+                to_read.append(name)
+    finally:
+        os.close(dfd)
+    if len(trusted) != len(cols):  # names are unique: all trusted means every row once
+        cols = cols.take(trusted)
+    res.columns = cols
+    res.from_snapshot = len(trusted)
+    bar = _Bar(total=len(to_read), desc=f"recovering {directory}", unit="file", delay=1.0,
+               disable=not progress or len(to_read) < 1000, leave=False)
+    try:
+        for k, name in enumerate(to_read):
+            if k % 1024 == 1023:
+                bar.update(1024)
+            try:
+                header = read_header(os.path.join(directory, name))
+            except HeaderError as exc:
+                res.bad.append((name, exc.reason))
+                continue
+            except OSError:
+                res.bad.append((name, "unreadable"))
+                continue
+            if record_name(header.key) != name:
+                res.bad.append((name, "name"))
+            elif header.geometry != geometry:
+                res.bad.append((name, "geometry"))
+            elif header.fingerprint != fingerprint:
+                res.bad.append((name, "fingerprint"))
+            else:
+                cols.append(_fact(header))
+    finally:
+        bar.close()
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
 def build_index(headers: list[RecordHeader]) -> Index:
-    """Rebuild the trie from record headers.
+    """Rebuild the trie from record headers (see ``build_index_columns``)."""
+    cols = Columns()
+    for h in headers:
+        cols.append(_fact(h))
+    return build_index_columns(cols)
+
+
+def build_index_columns(cols: Columns) -> Index:
+    """Rebuild the trie from record headers' facts.
 
     Ready rows are attached in order of their first page, so the node a span hangs
     from (covered by a span that starts earlier) exists before it; thinned records
@@ -129,24 +254,53 @@ def build_index(headers: list[RecordHeader]) -> Index:
     not cached is an orphan: unreachable, counted against capacity until dropped.
     """
     index = Index()
-
-    def parent_of(h: RecordHeader) -> Node | None:
-        if h.start_page == 0:
-            return index.root
-        node = index.nodes.get(h.parent)
-        return node if node is not None and node.depth == h.start_page else None
-
-    for h in sorted(headers, key=lambda h: (h.thinned, h.start_page)):
-        rec = Record(h.key, h.parent, h.start_page, h.end_page, h.row_len, h.file_len,
-                     h.created, thinned=h.thinned, verified=False)
-        parent = parent_of(h)
-        existing = index.nodes.get(h.key)
+    root, nodes, records = index.root, index.nodes, index.records
+    keys, parents, starts, ends = cols.keys, cols.parents, cols.starts, cols.ends
+    row_lens, file_lens, created, flags, spans = (
+        cols.row_lens, cols.file_lens, cols.created, cols.flags, cols.spans)
+    n = len(keys)
+    thin_col = np.array(flags, dtype=np.int64) & FLAG_THINNED
+    start_col = np.array(starts, dtype=np.int64)
+    order: Iterable[int] = range(n)
+    if n and (thin_col.any() or (np.diff(start_col) < 0).any()):
+        # ready rows first, by first page (stable: equal starts keep their order)
+        order = np.lexsort((start_col, thin_col)).tolist()
+    attached = 0
+    total = 0
+    for i in order:
+        key, start, flag = keys[i], starts[i], flags[i]
+        thinned = bool(flag & FLAG_THINNED)
+        rec = Record(key, parents[i], start, ends[i], row_lens[i], file_lens[i], created[i],
+                     thinned, False)
+        if start == 0:
+            parent: Node | None = root
+        else:
+            parent = nodes.get(parents[i])
+            if parent is not None and parent.depth != start:
+                parent = None
+        existing = nodes.get(key)
         if parent is None or (existing is not None and existing.record is not None):
             index.add_orphan(rec)
-        elif h.thinned:
-            if not index.attach_interior(rec, h.keys, parent):
+            continue
+        span = spans[i]
+        if thinned:
+            if not index.attach_interior(rec, [key] if span is None else span, parent):
                 index.add_orphan(rec)
-        else:
-            index.add(rec, h.keys, parent)
+        elif span is not None:
+            index.add(rec, span, parent, recovering=True)
+        else:  # a one-page row: Index.add(recovering=True), inline
+            node = parent.children.get(key)
+            if node is None:
+                node = Node(key, parent, start + 1)
+                parent.children[key] = node
+                nodes[key] = node
+            rec.node = node
+            node.record = rec
+            records[key] = rec
+            node.covers.append(rec)
+            total += rec.file_len
+            attached += 1
+    index.bytes += total
+    index.changes += attached
     index.reseed()
     return index

@@ -40,7 +40,8 @@ from .lock import DirLock
 from .maintenance import Job, JobKind, JobOutcome, Scheduler
 from .manifest import check_or_create
 from .record import FLAG_THINNED, RECORD_SUFFIX, RecordHeader, page_crcs, record_name
-from .recovery import build_index, read_header, scan
+from .recovery import build_index_columns, no_gc, read_header, recover
+from .snapshot import collect_facts, save_snapshot
 from .stats import CacheStats
 
 __all__ = ["DiskStore", "StoreResult"]
@@ -105,8 +106,9 @@ class DiskStore:
         self._lock = DirLock(self.directory)  # first: touch nothing before owning the dir
         try:
             check_or_create(self.directory, geometry, self.fingerprint)
-            result = scan(self.directory, geometry, self.fingerprint, progress=progress)
-            self._index = build_index(result.headers)
+            with no_gc():
+                result = recover(self.directory, geometry, self.fingerprint, progress=progress)
+                self._index = build_index_columns(result.columns)
         except BaseException:  # release the lock on any failure, then re-raise as is
             self._lock.release()
             raise
@@ -118,24 +120,62 @@ class DiskStore:
         self._state = _State.OPEN
         self._reserved = 0  # bytes of writes in flight, counted against capacity
         self._inflight: set[bytes] = set()  # end keys being written
-        self._stats = CacheStats(capacity_bytes=capacity_bytes, recovered=len(result.headers),
+        self._stats = CacheStats(capacity_bytes=capacity_bytes, recovered=len(result.columns),
                                  skipped=result.skipped())
         ix = self._index
+        # index.changes when the on-disk snapshot last matched the index (-1: it does not)
+        clean = result.from_snapshot == len(result.columns) and result.snapshot == "used"
+        self._snapshot_changes = ix.changes if clean else -1
         log.info(
-            "cache %s: recovered %d records (%d bytes, %d orphans, %d thinnable) in %.2fs; "
-            "%d temp files, skipped %s", self.directory, len(ix.records), ix.bytes,
-            len(ix.orphans), len(ix.thin_candidates), result.seconds, len(result.temps),
+            "cache %s: recovered %d records (%d bytes, %d orphans, %d thinnable) in %.2fs "
+            "(%d from the %s snapshot); %d temp files, skipped %s", self.directory,
+            len(ix.records), ix.bytes, len(ix.orphans), len(ix.thin_candidates),
+            result.seconds, result.from_snapshot, result.snapshot, len(result.temps),
             result.skipped() or "none",
         )
 
     # -- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
-        """Release the directory lock. Idempotent; loads already reading finish."""
+        """Write the header snapshot if the index changed, release the directory lock.
+
+        Idempotent; loads already reading finish. A snapshot that cannot be written is
+        logged and skipped: the next open reads those headers instead.
+        """
         with self._mutex:
             if self._state is _State.CLOSED:
                 return
             self._state = _State.CLOSED
-            self._lock.release()
+            try:
+                if self._index.changes != self._snapshot_changes:
+                    self._save_snapshot_locked()
+            finally:
+                self._lock.release()
+
+    def snapshot(self) -> int:
+        """Write the header snapshot now (see cache/snapshot.py), so that a reopen after
+        a crash reads only the headers of files changed since; returns the records it
+        covers. Files are stat-ed outside the store's mutex; stores and loads go on."""
+        with self._mutex:
+            self._check_open()
+            taken = time.time_ns()  # before collecting: later changes are never trusted
+            changes = self._index.changes
+            facts = collect_facts(self._index)
+        n = save_snapshot(self.directory, self.geometry, self.fingerprint, taken, facts,
+                          self.fsync)
+        with self._mutex:
+            self._snapshot_changes = changes
+        return n
+
+    def _save_snapshot_locked(self) -> None:
+        taken = time.time_ns()
+        try:
+            save_snapshot(self.directory, self.geometry, self.fingerprint, taken,
+                          collect_facts(self._index), self.fsync)
+        except OSError as exc:
+            log.warning("cache %s: header snapshot not written (%s); the next open reads "
+                        "every header", self.directory, exc)
+            return
+        self._snapshot_changes = self._index.changes
 
     def __enter__(self) -> DiskStore:
         return self
