@@ -34,7 +34,7 @@ from ._errors import CleanupError, ResourceUncertainError
 
 __all__ = ["Entry", "Event", "Ledger", "ResourceState"]
 
-_EVENT_LOG = 200_000  # events kept for tests and `phalanx doctor`; bounded like everything
+_EVENT_LOG = 4096  # recent events kept for tests and diagnosis; bounded like everything
 
 
 class ResourceState(enum.Enum):
