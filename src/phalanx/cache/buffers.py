@@ -6,11 +6,14 @@ is. torch is imported only when a tensor is passed: the cache layer never needs 
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ._errors import RowSpanError
 
-__all__ = ["as_byte_view"]
+__all__ = ["ParallelReader", "as_byte_view", "as_out_view", "pread_full"]
 
 
 def as_byte_view(row: Any) -> memoryview:
@@ -39,3 +42,86 @@ def _tensor_view(tensor: Any) -> memoryview:
         t = t.cpu()  # a device row must come to the host to be written; one copy
     t = t.contiguous().reshape(-1).view(torch.uint8)
     return memoryview(t.numpy())
+
+
+def as_out_view(out: Any, nbytes: int) -> memoryview:
+    """A writable flat byte view of a load destination (buffer or CPU tensor), no copy."""
+    if type(out).__module__.startswith("torch") and not isinstance(out, memoryview):
+        if out.device.type != "cpu":
+            raise RowSpanError("out must be in host memory (a CPU or pinned tensor); copy "
+                               "the loaded view to the device yourself")
+        import torch  # only callers that pass tensors pay for torch
+
+        view = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())
+    else:
+        try:
+            view = memoryview(out)
+        except TypeError:
+            raise RowSpanError(f"out must be a writable buffer, got {type(out).__name__}") from None
+    if view.readonly or not view.c_contiguous or view.nbytes != nbytes:
+        raise RowSpanError(f"out must be a writable C-contiguous buffer of {nbytes} bytes")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def pread_full(fd: int, dst: memoryview, offset: int) -> None:
+    """Fill ``dst`` from ``fd`` at ``offset`` with ``preadv`` straight into it (no copy)."""
+    got = 0
+    while got < dst.nbytes:
+        n = os.preadv(fd, [dst[got:]], offset + got)
+        if n == 0:
+            raise OSError(0, "file shorter than its header says")
+        got += n
+
+
+class ParallelReader:
+    """Splits a large read into ``threads`` page-aligned parts read at once.
+
+    ``preadv`` releases the GIL, so the page-cache copies of one load run on several
+    cores (one thread's memcpy bandwidth is well below a socket's). The caller's thread
+    reads the first part; worker threads start on the first large read and stop at
+    ``close()``; a read after ``close()`` runs on the caller's thread alone.
+    """
+
+    def __init__(self, threads: int, min_part: int = 1 << 20) -> None:
+        self.threads = max(1, threads)
+        self.min_part = min_part
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def read(self, fd: int, dst: memoryview, offset: int) -> None:
+        n = dst.nbytes
+        parts = min(self.threads, n // self.min_part)
+        pool = self._get_pool() if parts > 1 else None
+        if pool is None:
+            pread_full(fd, dst, offset)
+            return
+        per = -(-n // parts)
+        size = -(-per // 4096) * 4096  # page-aligned parts
+        futures: list[Future[None]] = []
+        try:
+            for at in range(size, n, size):
+                futures.append(pool.submit(pread_full, fd, dst[at : at + size], offset + at))
+        except RuntimeError:  # shut down meanwhile: read the rest here
+            done = size + len(futures) * size
+            if done < n:
+                pread_full(fd, dst[done:], offset + done)
+        try:
+            pread_full(fd, dst[:size], offset)
+        finally:
+            wait(futures)  # never return (and let the caller close fd) with reads running
+        for f in futures:
+            f.result()
+
+    def _get_pool(self) -> ThreadPoolExecutor | None:
+        with self._lock:
+            if self._pool is None and not self._closed:
+                self._pool = ThreadPoolExecutor(self.threads - 1, "phalanx-cache-read")
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -31,7 +31,7 @@ from ._errors import (
     RowSpanError,
     StoreClosedError,
 )
-from .buffers import as_byte_view
+from .buffers import ParallelReader, as_byte_view, as_out_view
 from .files import is_temp_name, purge_temp, quarantine, remove_record, thin_record, write_record
 from .geometry import Geometry
 from .index import Record
@@ -74,7 +74,8 @@ class DiskStore:
     ``max_age`` (seconds, None for never) bounds a leaf record's age; ``fsync=True``
     makes every commit durable (off by default: a cache can lose its newest records
     on power loss, and the page CRCs catch torn ones). ``clock`` gives wall time
-    (tests pass their own to age records without sleeping).
+    (tests pass their own to age records without sleeping). ``load_threads`` (default
+    min(4, CPUs)) threads read one large load in parallel parts.
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class DiskStore:
         clock: Callable[[], float] = time.time,
         progress: bool = True,
         on_job: Callable[[Job], None] | None = None,
+        load_threads: int | None = None,
     ) -> None:
         if capacity_bytes <= 0 or max_jobs_per_poll <= 0:
             raise ValueError("capacity_bytes and max_jobs_per_poll must be positive")
@@ -102,6 +104,8 @@ class DiskStore:
         self.max_jobs_per_poll = max_jobs_per_poll
         self.bad_files = bad_files
         self._on_job = on_job
+        self._reader = ParallelReader(load_threads if load_threads is not None
+                                      else min(4, os.cpu_count() or 1))
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self._lock = DirLock(self.directory)  # first: touch nothing before owning the dir
         try:
@@ -150,6 +154,7 @@ class DiskStore:
                     self._save_snapshot_locked()
             finally:
                 self._lock.release()
+                self._reader.close()
 
     def snapshot(self) -> int:
         """Write the header snapshot now (see cache/snapshot.py), so that a reopen after
@@ -293,10 +298,8 @@ class DiskStore:
         pb = self.geometry.page_bytes
         keys = self._keys(tokens, limit=n_pages)
         # np.empty, not bytearray(n): bytearray zero-fills, an extra pass over the row
-        buf: Any = np.empty(n_pages * pb, dtype=np.uint8) if out is None else out
-        dst = memoryview(buf).cast("B")
-        if dst.nbytes != n_pages * pb or dst.readonly:
-            raise RowSpanError(f"out must be a writable buffer of {n_pages * pb} bytes")
+        dst = (np.empty(n_pages * pb, dtype=np.uint8).data if out is None
+               else as_out_view(out, n_pages * pb))
         with self._mutex:
             self._check_open()
             cached = self._index.cached_pages(keys)
@@ -329,13 +332,16 @@ class DiskStore:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                got = 0
-                while got < dst.nbytes:
-                    n = os.preadv(fd, [dst[got:]], header_len + (first - rec.start) * pb + got)
-                    if n == 0:
-                        raise OSError(0, "file shorter than its header says")
-                    got += n
-                crcs = None if rec.verified else read_header(path).crcs
+                # one preadv straight into dst (split across threads when large)
+                self._reader.read(fd, dst, header_len + (first - rec.start) * pb)
+                crcs = None
+                if not rec.verified:
+                    h = read_header(path)
+                    if (h.key, h.start_page, h.end_page, h.row_len, h.thinned) != (
+                        rec.key, rec.start, rec.end, rec.row_len, rec.thinned
+                    ):
+                        raise ValueError("its header does not match the index")
+                    crcs = h.crcs
             finally:
                 os.close(fd)
         except (OSError, ValueError) as exc:
