@@ -186,11 +186,8 @@ def recover(directory: str, geometry: Geometry, fingerprint: bytes,
     try:
         with os.scandir(directory) as it:
             names = [e.name for e in it]
-        stat = os.stat
-        get = rows.get
         for name in names:
-            i = get(name)  # first: a name in the snapshot is a record's name
-            if i is None:
+            if name not in rows:  # not in the snapshot: classify, read if a record
                 if name in _OURS:
                     continue
                 if is_temp_name(name):
@@ -199,7 +196,14 @@ def recover(directory: str, geometry: Geometry, fingerprint: bytes,
                     res.foreign.append(name)
                 else:
                     to_read.append(name)
-                continue
+        # the snapshot's files in its order (write order: inode order on a fresh
+        # directory), not the listing's hash order: the stat and compare loop then walks
+        # inodes and the snapshot's columns in sequence
+        listed = set(names)
+        stat = os.stat
+        for i, name in enumerate(snap.names if snap is not None else ()):
+            if name not in listed:
+                continue  # removed since the snapshot
             try:
                 st = stat(name, dir_fd=dfd, follow_symlinks=False)
             except OSError:

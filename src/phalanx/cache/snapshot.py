@@ -126,11 +126,12 @@ class Columns:
 class Snapshot:
     """A decoded snapshot: facts by row, and each row's file identity."""
 
-    __slots__ = ("columns", "ctimes", "cutoff_ns", "inos", "mtimes", "rows")
+    __slots__ = ("columns", "ctimes", "cutoff_ns", "inos", "mtimes", "names", "rows")
 
-    def __init__(self, columns: Columns, rows: dict[str, int], mtimes: list[int],
-                 ctimes: list[int], inos: list[int], cutoff_ns: int) -> None:
+    def __init__(self, columns: Columns, names: list[str], rows: dict[str, int],
+                 mtimes: list[int], ctimes: list[int], inos: list[int], cutoff_ns: int) -> None:
         self.columns = columns
+        self.names = names  # file name by row
         self.rows = rows  # file name -> row
         self.mtimes = mtimes
         self.ctimes = ctimes
@@ -234,9 +235,12 @@ def _decode(data: bytes, geometry: Geometry, fingerprint: bytes) -> Snapshot | N
         span.append(keys[i])
         spans[i] = span
     cols.spans = spans
-    rows = dict(zip([k.hex() + RECORD_SUFFIX for k in keys], range(n), strict=True))
-    return Snapshot(cols, rows, mt.tolist(), arr["ctime_ns"].tolist(), arr["ino"].tolist(),
-                    cutoff)
+    names = [k.hex() + RECORD_SUFFIX for k in keys]
+    rows = dict(zip(names, range(n), strict=True))
+    if len(rows) != n:  # a name twice: not a snapshot we wrote
+        return None
+    return Snapshot(cols, names, rows, mt.tolist(), arr["ctime_ns"].tolist(),
+                    arr["ino"].tolist(), cutoff)
 
 
 def collect_facts(index: Index) -> list[Fact]:
