@@ -55,21 +55,18 @@ _ATTACHED = _F("domain.alloc.attached", "rank: past the 'attached' handshake")
 _NAME_UNLINKED = _F("domain.alloc.name_unlinked", "rank: own segment name unlinked")
 _VIEW_REGISTERED = _F("domain.alloc.view_registered", "rank: view published to tasks")
 _REVOKED = _F("domain.release.revoked", "rank: view revoked, before quiesce handshake")
-_QUIESCED = _F("domain.release.quiesced", "rank: every member agreed the domain is quiet")
+_QUIESCED = _F("domain.release.quiesced", "rank: view revoked, peers about to be unmapped")
 _PEER_UNMAP = _F("domain.release.peer_unmap", "rank: about to unmap a peer segment")
-_UNMAPPED = _F("domain.release.unmapped", "rank: past the 'unmapped' handshake")
 _WINDOW_UNMAP = _F("domain.release.window_unmap", "rank: about to unmap own segment")
 _SLOT_RETURN = _F("domain.release.slot_return", "rank: about to return the notify slot")
 
 ALLOC_TAGS = ("created", "attached")
-RELEASE_TAGS = ("quiesced", "unmapped")
-PHASE_CREATED, PHASE_ATTACHED, PHASE_QUIESCED, PHASE_UNMAPPED = 1, 2, 3, 4
+PHASE_CREATED, PHASE_ATTACHED = 1, 2
 _PHASE_ABORT = 0xFF
 # Sleep backoff cap while waiting on a peer's flag: short enough that a late peer costs
 # little latency, long enough that a waiter does not steal a core from the peer it waits
 # for (this machine has two).
 _MAX_BACKOFF_S = 100e-6
-_specs: dict[int, DomainSpec] = {}  # live domains of this rank, for their release
 
 
 def pool_handshake(spec: DomainSpec, phase: int, timeout: float) -> None:
@@ -230,7 +227,6 @@ def domain_alloc(spec: DomainSpec, timeout: float) -> None:
             depends_on=[own_entry, slot_entry, *mappings.values()])
         st.views[spec.alloc_id] = view
         view_entry.live(lambda: _drop_view(spec.alloc_id), handle=view)
-        _specs[spec.alloc_id] = spec
         _VIEW_REGISTERED.hit()
     except BaseException as exc:
         _abort_pool_handshakes(spec)
@@ -272,46 +268,42 @@ def _rollback(alloc_id: int, owner: str, exc: BaseException, abort_backend: bool
 
 
 def domain_release(alloc_id: int, members: list[int], timeout: float) -> None:
-    """Stop, agree on quiescence, drop peer references, then unmap and free.
+    """Stop, drop peer references, then unmap and free.
 
-    A failed step does not stop the protocol (the other members would wait for us at
-    the next handshake): it is collected, its resource stays uncertain, and every
-    failure is raised together at the end.
+    Quiescence: the parent sends this only after the run's fence passed, i.e. after
+    every member reported every task of the run done; that report, gathered by the
+    parent, is the members' agreement that the domain is quiet. For same-host members
+    nothing else is needed: a mapping keeps its memory alive, so no member's unmap can
+    pull memory from under another, and no name is left to unlink. (Cross-host members,
+    whose windows would be registered with a NIC, will meet at a 'quiesced' handshake
+    through the rendezvous backend before unregistering.)
+
+    A failed step does not stop the others: it is collected, its resource stays
+    uncertain, and every failure is raised together at the end.
     """
     st = rank_comm()
     owner = _owner(alloc_id)
     errors: list[Exception] = []
-
-    def release(kinds: tuple[str, ...]) -> None:
+    for kinds in (("domain view",), ("peer segment mapping",)):
         for e in st.ledger.entries(owner):
             if e.kind in kinds and e.state is ResourceState.LIVE:
                 try:
                     st.ledger.release(e)
                 except Exception as exc:  # noqa: BLE001  collected; raised below
                     errors.append(exc)
-
-    spec = _specs.get(alloc_id)
-    release(("domain view",))
-    if spec is not None:
-        pool_handshake(spec, PHASE_QUIESCED, timeout)
-    _QUIESCED.hit()
-    release(("peer segment mapping",))
-    if spec is not None:
-        pool_handshake(spec, PHASE_UNMAPPED, timeout)
-    _UNMAPPED.hit()
+        if kinds == ("domain view",):
+            _QUIESCED.hit()
     try:
         st.ledger.release_owner(owner)
     except CleanupError as exc:
         errors.extend(exc.exceptions)
     if errors:
         raise CleanupError(f"rank {st.rank}: releasing domain {alloc_id} failed", errors)
-    _specs.pop(alloc_id, None)
 
 
 def purge_handshakes(alloc_id: int) -> int:
     """Remove what failed handshakes of ``alloc_id`` left behind (nobody waits any more)."""
-    return current.backend().purge(alloc_id, (*ALLOC_TAGS, *RELEASE_TAGS, "poolcreated",
-                                              "poolmapped"))
+    return current.backend().purge(alloc_id, (*ALLOC_TAGS, "poolcreated", "poolmapped"))
 
 
 def force_release(alloc_id: int) -> None:
@@ -321,7 +313,6 @@ def force_release(alloc_id: int) -> None:
     owner = _owner(alloc_id)
     st.ledger.retry_uncertain(owner)
     st.ledger.release_owner(owner)
-    _specs.pop(alloc_id, None)
 
 
 def retry_uncertain() -> None:

@@ -140,7 +140,7 @@ class Hub:
 
     def _read_channel(self, conn: _Conn) -> None:
         try:
-            chunk = conn.sock.recv(1 << 20)
+            chunk = conn.sock.recv(1 << 16)
         except (BlockingIOError, InterruptedError, TimeoutError):
             return
         except OSError:

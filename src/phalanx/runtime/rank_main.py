@@ -37,6 +37,8 @@ from ._rank_points import TASK_RECEIVED as _TASK_RECEIVED
 from .channel import Kind, RankChannel, check_size
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_TIMERSLACK = 29
+_TIMER_SLACK_NS = 1_000
 _MAX_THREADS = 256  # serving threads per rank, whatever blocks
 _PARENT_POLL_S = 0.2
 
@@ -50,9 +52,12 @@ def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
     off when a Worker is created outside the main thread; the watch (ppid changes when
     we are re-parented) and EOF on the control channel cover that case.
     """
+    libc = ctypes.CDLL(None, use_errno=True)
     if use_pdeathsig:
-        libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # Short sleeps of waiters (barriers, handshakes) would otherwise round up to the
+    # default 50 us timer slack: a waiter that just missed its peer paid 50 us more.
+    libc.prctl(_PR_SET_TIMERSLACK, _TIMER_SLACK_NS, 0, 0, 0)
     if os.getppid() != parent_pid:  # died between fork and prctl
         os._exit(1)
 

@@ -126,7 +126,7 @@ class Worker:
         self._ids = itertools.count(1)
         self._run_ids = itertools.count(1)
         self._tasks: dict[int, TaskFuture] = {}
-        self._runs: dict[int, tuple[Run, threading.Thread]] = {}
+        self._runs: dict[int, Run] = {}  # admitted, not yet retired
         self._run_slots = threading.BoundedSemaphore(max_concurrent_runs)
         self._dead: dict[int, RankDiedError] = {}
         self._procs: dict[int, RankProcess] = {}
@@ -342,18 +342,13 @@ class Worker:
                 f"only close() is left"
             )
 
-    def submit(self, orch_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> RunHandle:
-        """Start ``orch_fn(orch, *args, **kwargs)`` on a run thread; returns its handle."""
+    def _admit(self, orch_fn: Callable[..., Any], thread: bool) -> Run:
         with self._lock:
             self._check_admitting()
         if not self._run_slots.acquire(timeout=self.task_timeout):
             raise TimeoutError(f"worker {self.generation}: no run slot freed within "
                                f"{self.task_timeout}s (max_concurrent_runs reached)")
         run = Run(next(self._run_ids), getattr(orch_fn, "__qualname__", repr(orch_fn)), self)
-        thread = threading.Thread(
-            target=run.execute, args=(orch_fn, args, kwargs, self.orchestrator_class(run)),
-            name=f"phalanx-run-{run.run_id}", daemon=True,
-        )
         with self._lock:
             try:
                 self._check_admitting()
@@ -361,14 +356,28 @@ class Worker:
             except BaseException:
                 self._run_slots.release()
                 raise
-            self._runs[run.run_id] = (run, thread)
+            self._runs[run.run_id] = run
             self._counts["runs_admitted"] += 1
-        thread.start()
+        return run
+
+    def submit(self, orch_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> RunHandle:
+        """Start ``orch_fn(orch, *args, **kwargs)`` on a run thread; returns its handle."""
+        run = self._admit(orch_fn, thread=True)
+        threading.Thread(
+            target=run.execute, args=(orch_fn, args, kwargs, self.orchestrator_class(run)),
+            name=f"phalanx-run-{run.run_id}", daemon=True,
+        ).start()
         return RunHandle(run)
 
     def run(self, orch_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``submit(...).result()``: the orch function's value once the run settled."""
-        return self.submit(orch_fn, *args, **kwargs).result()
+        """Run ``orch_fn(orch, *args, **kwargs)`` to its fence and return its value.
+
+        The same as ``submit(...).result()``, executed in the calling thread: the caller
+        would block anyway, and it saves a thread start and a wake-up per run.
+        """
+        run = self._admit(orch_fn, thread=False)
+        run.execute(orch_fn, args, kwargs, self.orchestrator_class(run))
+        return RunHandle(run).result()
 
     def _run_retired(self, run: Run) -> None:
         with self._lock:
@@ -498,7 +507,7 @@ class Worker:
             self._state = WorkerState.CLOSING
         self._close_deadline = time.monotonic() + (self.close_timeout if timeout is None
                                                    else timeout)
-        for run, _ in list(self._runs.values()):
+        for run in list(self._runs.values()):
             run.retired.wait(max(0.0, self._close_deadline - time.monotonic()))
         self._journal.run()
         self._state = WorkerState.CLOSED
@@ -534,9 +543,8 @@ class Worker:
     def _join_runs(self) -> None:
         deadline = getattr(self, "_close_deadline", time.monotonic() + self.close_timeout)
         stuck = []
-        for run, thread in list(self._runs.values()):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
+        for run in list(self._runs.values()):
+            if not run.retired.wait(max(0.0, deadline - time.monotonic())):
                 stuck.append(f"run {run.run_id} ({run.name}, {run.state.value})")
         if stuck:
             raise TimeoutError(f"runs did not retire by the close deadline: {', '.join(stuck)}")
