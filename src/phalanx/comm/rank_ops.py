@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -24,15 +25,14 @@ from . import shm
 from .rank_state import (
     BASE_OWNER,
     HEADER_SLOT,
-    LIVENESS_CHECK_S,
     POOL_BYTES,
     SLOT_WORDS,
-    pid_alive,
     pool_name,
     rank_comm,
 )
 from .spec import DomainSpec, segment_name
 from .view import DomainView, ShmPeer
+from .waiting import Waited, wait_for
 
 __all__ = ["base_init", "base_release", "domain_alloc", "domain_release", "force_release",
            "ledger_report", "purge_handshakes", "retry_uncertain"]
@@ -63,10 +63,6 @@ _SLOT_RETURN = _F("domain.release.slot_return", "rank: about to return the notif
 ALLOC_TAGS = ("created", "attached")
 PHASE_CREATED, PHASE_ATTACHED = 1, 2
 _PHASE_ABORT = 0xFF
-# Sleep backoff cap while waiting on a peer's flag: short enough that a late peer costs
-# little latency, long enough that a waiter does not steal a core from the peer it waits
-# for (this machine has two).
-_MAX_BACKOFF_S = 100e-6
 
 
 def pool_handshake(spec: DomainSpec, phase: int, timeout: float) -> None:
@@ -84,35 +80,27 @@ def pool_handshake(spec: DomainSpec, phase: int, timeout: float) -> None:
     target = spec.alloc_id << 8 | phase
     st.flags[st.rank][word] = target
     deadline = time.monotonic() + timeout
+    aborted = spec.alloc_id << 8 | _PHASE_ABORT
     for r in spec.members:
         flags = st.flags[r]
-        spins, delay = 0, 5e-6
-        next_check = time.monotonic() + LIVENESS_CHECK_S
-        while True:
-            value = int(flags[word])
-            if value == spec.alloc_id << 8 | _PHASE_ABORT:
-                raise HandshakeAbortedError(
-                    f"domain {spec.name!r} (id {spec.alloc_id}) phase {phase}: rank {st.rank} "
-                    f"stopped waiting because rank {r} aborted the allocation")
-            if value >= target:
-                break
-            spins += 1
-            if spins < 200:
-                continue
-            now = time.monotonic()
-            if now > next_check:
-                next_check = now + LIVENESS_CHECK_S
-                if not pid_alive(st.pids[r]):
-                    raise HandshakeTimeoutError(
-                        f"domain {spec.name!r} (id {spec.alloc_id}) phase {phase}: rank "
-                        f"{st.rank} stopped waiting: rank {r} (pid {st.pids[r]}) is dead", [r])
-            if now > deadline:
-                late = [m for m in spec.members if int(st.flags[m][word]) < target]
-                raise HandshakeTimeoutError(
-                    f"domain {spec.name!r} (id {spec.alloc_id}): rank {st.rank} waited "
-                    f"{timeout:g}s at phase {phase}; ranks {late} never arrived", late)
-            time.sleep(delay)
-            delay = min(delay * 2, _MAX_BACKOFF_S)
+        waited = wait_for(partial(_word_reached, flags, word, target), st.pids[r], deadline)
+        if int(flags[word]) == aborted:
+            raise HandshakeAbortedError(
+                f"domain {spec.name!r} (id {spec.alloc_id}) phase {phase}: rank {st.rank} "
+                f"stopped waiting because rank {r} aborted the allocation")
+        if waited is Waited.DEAD:
+            raise HandshakeTimeoutError(
+                f"domain {spec.name!r} (id {spec.alloc_id}) phase {phase}: rank {st.rank} "
+                f"stopped waiting: rank {r} (pid {st.pids[r]}) is dead", [r])
+        if waited is Waited.TIMEOUT:
+            late = [m for m in spec.members if int(st.flags[m][word]) < target]
+            raise HandshakeTimeoutError(
+                f"domain {spec.name!r} (id {spec.alloc_id}): rank {st.rank} waited "
+                f"{timeout:g}s at phase {phase}; ranks {late} never arrived", late)
+
+
+def _word_reached(flags: np.ndarray, word: int, target: int) -> bool:
+    return int(flags[word]) >= target
 
 
 def _abort_pool_handshakes(spec: DomainSpec) -> None:

@@ -10,25 +10,21 @@ from __future__ import annotations
 
 import mmap
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from . import collectives
 from ._errors import CollectiveError, DomainError, DomainReleasedError
-from .rank_state import LIVENESS_CHECK_S, pid_alive
 from .spec import DomainSpec
+from .waiting import Waited, wait_for
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
 __all__ = ["DomainView", "Peer", "ShmPeer"]
 
-_SPIN = 200  # busy polls before the barrier starts to sleep
-# Sleep backoff cap while waiting on a peer's flag: short enough that a late peer costs
-# little latency, long enough that a waiter does not steal a core from the peer it waits
-# for (this machine has two).
-_MAX_BACKOFF_S = 100e-6
 
 
 class Peer(Protocol):
@@ -62,6 +58,10 @@ class ShmPeer:
 
     def drop(self) -> None:
         self._mem.release()
+
+
+def _reached(peer: ShmPeer, epoch: int) -> bool:
+    return peer.flag() >= epoch
 
 
 class DomainView:
@@ -162,30 +162,18 @@ class DomainView:
         for r, peer in self._peers.items():
             if r == self.domain_rank:
                 continue
-            spins = 0
-            delay = 5e-6
-            next_check = time.monotonic() + LIVENESS_CHECK_S
-            while peer.flag() < epoch:
-                spins += 1
-                if spins < _SPIN:
-                    continue
-                now = time.monotonic()
-                if now > next_check:
-                    next_check = now + LIVENESS_CHECK_S
-                    if not pid_alive(peer.pid):
-                        raise CollectiveError(
-                            f"domain {self.name!r} barrier {self._epoch}: domain rank {r} "
-                            f"(rank {self.members[r]}, pid {peer.pid}) is dead; domain rank "
-                            f"{self.domain_rank} (rank {self.members[self.domain_rank]}) "
-                            f"stopped waiting")
-                if now > deadline:
-                    late = [m for m, p in self._peers.items() if p.flag() < epoch]
-                    raise CollectiveError(
-                        f"domain {self.name!r} barrier {self._epoch}: domain ranks {late} "
-                        f"(ranks {[self.members[m] for m in late]}) did not arrive within "
-                        f"{self.timeout:g}s (domain rank {self.domain_rank} waited)")
-                time.sleep(delay)
-                delay = min(delay * 2, _MAX_BACKOFF_S)
+            waited = wait_for(partial(_reached, peer, epoch), peer.pid, deadline)
+            if waited is Waited.DEAD:
+                raise CollectiveError(
+                    f"domain {self.name!r} barrier {self._epoch}: domain rank {r} (rank "
+                    f"{self.members[r]}, pid {peer.pid}) is dead; domain rank "
+                    f"{self.domain_rank} (rank {self.members[self.domain_rank]}) stopped waiting")
+            if waited is Waited.TIMEOUT:
+                late = [m for m, p in self._peers.items() if p.flag() < epoch]
+                raise CollectiveError(
+                    f"domain {self.name!r} barrier {self._epoch}: domain ranks {late} (ranks "
+                    f"{[self.members[m] for m in late]}) did not arrive within "
+                    f"{self.timeout:g}s (domain rank {self.domain_rank} waited)")
 
     def revoke(self) -> None:
         self._revoked = True
