@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from leaks import Snapshot, wait_settled
 
 os.environ.setdefault("PHALANX_LOG_LEVEL", "WARNING")
+# A runtime dir of this session's own: Workers, CLI runs and ranks started by the tests
+# inherit it, so a concurrent session on the same machine can neither hide nor cause a
+# leak here. The session fixture requires it empty at the end, then removes it.
+_RUNTIME_DIR = Path(tempfile.mkdtemp(prefix="phalanx-suite-"))
+os.environ["PHALANX_RUNTIME_DIR"] = str(_RUNTIME_DIR)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -21,3 +28,4 @@ def nothing_left_behind() -> Iterator[None]:
     if grown:
         lines = [f"  {kind}: {items[:20]}" for kind, items in grown.items()]
         pytest.fail("the test suite left resources behind:\n" + "\n".join(lines), pytrace=False)
+    _RUNTIME_DIR.rmdir()  # fails (and so fails the run) if anything is left in it

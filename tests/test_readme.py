@@ -39,3 +39,13 @@ def test_demo_runs() -> None:
     out = subprocess.run(exe, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "rank 1" in out.stdout and "closed" in out.stdout
+
+
+def test_readme_python_example_runs() -> None:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python", text.index("## Python API")) + len("```python")
+    code = text[start:text.index("```", start)]
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "(b'hello', array([2., 2., 2., 2.]))" in out.stdout
