@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,3 +192,12 @@ def rank_state(cid: str) -> dict[str, Any]:
     return {"rank": _rank(), "pid": os.getpid(), "problems": store.check(),
             "digest": records_digest(store.record_states()).hex(),
             "stats": msgspec.structs.asdict(stats), **extra}
+
+
+def leader_run(cid: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(leader, *args)`` on rank 0 (benchmarks: a whole measurement loop in one
+    task, no parent round trip per job). ``fn`` must be importable by reference."""
+    leader = _REGISTRY[cid]
+    if not isinstance(leader, Leader):
+        raise ReplicationError(f"cache {cid} is not open on rank 0")
+    return fn(leader, *args)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ._errors import ReplicaDivergedError
-from .frames import Bye, JobOp, LoadOp, Reconcile, RecordSet, StoreOp, records_digest
+from .frames import Bye, LoadOp, Reconcile, RecordSet, StoreOp, records_digest
 from .keys import ROOT_KEY, KeyChain, Tokens
 from .kv_source import KVSource
 from .link import PeerLink
@@ -117,8 +117,7 @@ class Leader:
                 op_start = res.start_page
                 seqs = {}
                 for rank, link in self.links.items():
-                    for job in evicted:
-                        link.submit(functools.partial(JobOp, job=job))
+                    link.submit_jobs(evicted)
                     if res.stored:
                         seqs[rank] = link.submit(lambda s: StoreOp(
                             s, keys[op_start - 1] if op_start else ROOT_KEY, op_start,
@@ -162,17 +161,19 @@ class Leader:
         lane must wait (no credits, or requests waiting) or nothing is left to do."""
         return self._poll(max_jobs) or 0
 
-    def _poll(self, max_jobs: int) -> int | None:
+    def _poll(self, max_jobs: int, min_room: int = 1) -> int | None:
         """Jobs decided and queued; None when the lane had to wait (credits, requests)."""
-        room = min(self._room(), max_jobs)
-        if room <= 0 or self._requests:
+        room = self._room()
+        if room < min_room or self._requests:
+            return None
+        room = min(room, max_jobs)
+        if room <= 0:
             return None
         with self._order:
             with self._collector.collect() as jobs:
                 self.store.poll(room)
             for link in self.links.values():
-                for job in jobs:
-                    link.submit(functools.partial(JobOp, job=job))
+                link.submit_jobs(jobs)
         for job in jobs:
             self.jobs_sent[job.kind.value] += 1
         return len(jobs)
@@ -182,8 +183,12 @@ class Leader:
         t0 = self._now()
         before = collections.Counter(self.jobs_sent)
         report = MaintainReport()
+        # Refill in batches: wait for a quarter of the lane's credits, not for one (one
+        # frame per send and per ack otherwise); never more than the lane can ever get.
+        batch = max(1, (min(ln.window for ln in self.links.values()) - self.reserve) // 4
+                    if self.links else 1)
         while timeout is None or self._now() - t0 < timeout:
-            n = self._poll(1 << 30)
+            n = self._poll(1 << 30, batch)
             if n == 0:
                 break  # the scheduler has nothing left
             if n is not None:
@@ -195,7 +200,7 @@ class Leader:
             # A full window means wait for the slowest peer's credits, never "broken".
             # A stalled peer fails its link within job_timeout, which raises here.
             for link in self.links.values():
-                link.wait(functools.partial(_has_room, link, self.reserve),
+                link.wait(functools.partial(_has_room, link, self.reserve + batch - 1),
                           _left(t0, timeout, self._now))
         undrained = self.drain(_left(t0, timeout, self._now))
         if undrained:

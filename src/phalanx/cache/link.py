@@ -23,7 +23,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from phalanx.lifecycle.failpoints import Failpoint
 
@@ -41,12 +41,14 @@ from .frames import (
     Frame,
     FrameReader,
     Hello,
+    JobOp,
     RecordSet,
     Refused,
     Welcome,
     encode,
     proof,
 )
+from .maintenance import Job
 
 __all__ = ["PeerLink", "accept_peer", "connect_leader", "listen"]
 
@@ -166,7 +168,10 @@ class PeerLink:
         self.job_timeout = job_timeout
         self._sock = sock
         self._reader = reader
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # callers waiting for acks or room
+        self._wcond = threading.Condition(lock)  # the writer waiting for work/credits
+        self._writer_idle = False
         # Invariant: seqs in _inflight < seqs in _pending; both ascending; len(_inflight)
         # <= window; acked < every seq in either.
         self._pending: collections.deque[tuple[int, bytes]] = collections.deque()
@@ -196,8 +201,25 @@ class PeerLink:
             if want_reply:
                 self._want.add(seq)
             self._pending.append((seq, encode(make(seq))))
-            self._cond.notify_all()
+            self._wake_writer_locked()
             return seq
+
+    def submit_jobs(self, jobs: Sequence[Job]) -> None:
+        """Queue one JobOp per job, in order, under one lock and one writer wake-up."""
+        if not jobs:
+            return
+        with self._cond:
+            self._raise_if_failed()
+            seq = self._next_seq
+            self._next_seq += len(jobs)
+            self._pending.extend((seq + i, encode(JobOp(seq + i, job)))
+                                 for i, job in enumerate(jobs))
+            self._wake_writer_locked()
+
+    def _wake_writer_locked(self) -> None:
+        if self._writer_idle and len(self._inflight) < self.window:
+            self._writer_idle = False
+            self._wcond.notify()
 
     def room(self) -> int:
         """Credits not taken by in-flight or pending ops (may be negative)."""
@@ -255,6 +277,7 @@ class PeerLink:
                 return
             self._error = error
             self._cond.notify_all()
+            self._wcond.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes a writer blocked in sendall
         except OSError:
@@ -266,6 +289,7 @@ class PeerLink:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            self._wcond.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -286,7 +310,9 @@ class PeerLink:
                 while not self._closing and self._error is None and not (
                     self._pending and len(self._inflight) < self.window
                 ):
-                    self._cond.wait()
+                    self._writer_idle = True
+                    self._wcond.wait()
+                self._writer_idle = False
                 if self._closing or self._error is not None:
                     return
                 batch: list[bytes] = []
@@ -328,6 +354,7 @@ class PeerLink:
                             f"{now - since:.1f}s (job_timeout {self.job_timeout}s); the peer "
                             "is hung or paused; check its process, or raise job_timeout")
                         self._cond.notify_all()
+                        self._wcond.notify_all()
                     continue
                 if not isinstance(frame, Ack):
                     continue  # peers send only acks after the handshake
@@ -346,4 +373,7 @@ class PeerLink:
                 f"replication link to {self._describe_locked()}: the peer failed op "
                 f"{ack.seq}: {ack.error}; its directory may differ from rank 0's; restart "
                 "the job to reconcile")
+            self._wcond.notify_all()
         self._cond.notify_all()
+        if self._pending:
+            self._wake_writer_locked()

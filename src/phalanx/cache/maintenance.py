@@ -99,12 +99,19 @@ class Scheduler:
             victim = ix.lru_leaf()
             if victim is not None:
                 return Job.for_record(JobKind.EVICT, victim)
-        for key in list(ix.thin_candidates):
+        # No copy of the candidates per call (a burst would be quadratic): stale ones
+        # met on the way are dropped after the scan, so the next call starts past them.
+        stale: list[bytes] = []
+        found: Job | None = None
+        for key in ix.thin_candidates:
             rec = ix.records.get(key)
             if rec is None or not ix.is_thinnable(rec):
-                del ix.thin_candidates[key]
+                stale.append(key)
                 continue
             if rec.pins or (JobKind.THIN, key) in self._deferred:
                 continue
-            return Job.for_record(JobKind.THIN, rec)
-        return None
+            found = Job.for_record(JobKind.THIN, rec)
+            break
+        for key in stale:
+            del ix.thin_candidates[key]
+        return found

@@ -76,15 +76,26 @@ class Replica:
 
     def _loop(self) -> None:
         self._sock.settimeout(0.2)  # how late a stop request is noticed
+        # Acks are cumulative (rank 0 credits every op up to an ack's seq), so of a run
+        # of plain acks only the last is sent; acks that carry something (an error, a
+        # digest, a crc) are always sent.
         acks: list[bytes] = []
+        plain = 0  # seq of the last plain ack not sent yet (0: none)
         try:
             while not self._stop.is_set():
                 frame = self._reader.read()
                 if frame is None:
                     continue
                 ack = self._apply(frame)
-                acks.append(encode(ack))
+                if ack.error or ack.digest or ack.crc:
+                    acks.append(encode(ack))
+                    plain = 0
+                else:
+                    plain = ack.seq
                 if isinstance(frame, Bye) or not self._reader.buffered():
+                    if plain:
+                        acks.append(encode(Ack(plain)))
+                        plain = 0
                     self._sock.sendall(b"".join(acks))
                     acks.clear()
                 if isinstance(frame, Bye):
