@@ -30,9 +30,12 @@ def test_public_surface_is_pinned() -> None:
     assert sorted(phalanx.cache.__all__) == [
         "CacheError", "CacheStats", "CapacityError", "DiskFullError", "DiskStore",
         "ForeignStoreError", "Geometry", "GeometryMismatchError", "Job", "JobKind",
-        "JobOutcome", "NotCachedError", "RecordCorruptError", "RowSpanError",
-        "StoreClosedError", "StoreLockedError", "StoreResult", "StoreWriteError",
-        "fingerprint_digest", "page_keys",
+        "JobOutcome", "KVSource", "KVSourceFactory", "LinkAuthError", "LinkClosedError",
+        "LinkProtocolError", "LinkStalledError", "NotCachedError", "PeerJobError",
+        "RecordCorruptError", "ReplicaDivergedError", "ReplicatedCache", "ReplicationError",
+        "RowSpanError", "StoreClosedError", "StoreLockedError", "StoreResult",
+        "StoreWriteError", "SyntheticSource", "fingerprint_digest", "page_keys",
+        "rank_directories",
     ]
     for name in phalanx.cache.__all__:
         assert hasattr(phalanx.cache, name)
