@@ -117,6 +117,24 @@ def read_header(path: str) -> RecordHeader:
     return header
 
 
+def _checked_header(directory: str, name: str, geometry: Geometry | None,
+                    fingerprint: bytes | None) -> RecordHeader | str:
+    """The file's header if it may be served here, else the reason it is skipped."""
+    try:
+        header = read_header(os.path.join(directory, name))
+    except HeaderError as exc:
+        return exc.reason
+    except OSError:
+        return "unreadable"
+    if record_name(header.key) != name:
+        return "name"
+    if geometry is not None and header.geometry != geometry:
+        return "geometry"
+    if fingerprint is not None and header.fingerprint != fingerprint:
+        return "fingerprint"
+    return header
+
+
 def scan(directory: str, geometry: Geometry | None, fingerprint: bytes | None,
          progress: bool = True) -> ScanResult:
     """Classify every entry of ``directory``; headers that pass are in ``headers``."""
@@ -138,22 +156,11 @@ def scan(directory: str, geometry: Geometry | None, fingerprint: bytes | None,
             if len(name) != _NAME_LEN or not name.endswith(RECORD_SUFFIX):
                 res.foreign.append(name)
                 continue
-            try:
-                header = read_header(os.path.join(directory, name))
-            except HeaderError as exc:
-                res.bad.append((name, exc.reason))
-                continue
-            except OSError:
-                res.bad.append((name, "unreadable"))
-                continue
-            if record_name(header.key) != name:
-                res.bad.append((name, "name"))
-            elif geometry is not None and header.geometry != geometry:
-                res.bad.append((name, "geometry"))
-            elif fingerprint is not None and header.fingerprint != fingerprint:
-                res.bad.append((name, "fingerprint"))
+            checked = _checked_header(directory, name, geometry, fingerprint)
+            if isinstance(checked, str):
+                res.bad.append((name, checked))
             else:
-                res.headers.append(header)
+                res.headers.append(checked)
     finally:
         bar.close()
     res.seconds = time.perf_counter() - t0
@@ -227,22 +234,11 @@ def recover(directory: str, geometry: Geometry, fingerprint: bytes,
         for k, name in enumerate(to_read):
             if k % 1024 == 1023:
                 bar.update(1024)
-            try:
-                header = read_header(os.path.join(directory, name))
-            except HeaderError as exc:
-                res.bad.append((name, exc.reason))
-                continue
-            except OSError:
-                res.bad.append((name, "unreadable"))
-                continue
-            if record_name(header.key) != name:
-                res.bad.append((name, "name"))
-            elif header.geometry != geometry:
-                res.bad.append((name, "geometry"))
-            elif header.fingerprint != fingerprint:
-                res.bad.append((name, "fingerprint"))
+            checked = _checked_header(directory, name, geometry, fingerprint)
+            if isinstance(checked, str):
+                res.bad.append((name, checked))
             else:
-                cols.append(_fact(header))
+                cols.append(_fact(checked))
     finally:
         bar.close()
     res.seconds = time.perf_counter() - t0

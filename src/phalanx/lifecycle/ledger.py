@@ -189,10 +189,7 @@ class Ledger:
                     break
                 entry = max(ready, key=lambda e: e.rid)  # among the free, newest first
                 self._begin(entry)
-            try:
-                self._run(entry)
-            except Exception as exc:  # noqa: BLE001  collected, raised together below
-                errors.append(exc)
+            self._run_collecting(entry, errors)
         if errors:
             raise CleanupError(f"{self.scope}: {len(errors)} release(s) of {owner} failed",
                                errors)
@@ -208,12 +205,15 @@ class Ledger:
                 if entry.state is not ResourceState.UNCERTAIN:
                     continue
                 self._begin(entry)
-            try:
-                self._run(entry)
-            except Exception as exc:  # noqa: BLE001  collected, raised together below
-                errors.append(exc)
+            self._run_collecting(entry, errors)
         if errors:
             raise CleanupError(f"{self.scope}: {len(errors)} retried release(s) failed", errors)
+
+    def _run_collecting(self, entry: Entry, errors: list[Exception]) -> None:
+        try:
+            self._run(entry)
+        except Exception as exc:  # noqa: BLE001  the caller raises every failure together
+            errors.append(exc)
 
     def resolve(self, entry: Entry) -> None:
         """Mark a live or uncertain entry released after its owner's close path verified, by
