@@ -81,6 +81,16 @@ def _setup_logging(rank: int) -> None:
     root.setLevel(level)
 
 
+def _dumps(value: Any) -> bytes:
+    """The C pickler first (most results are plain data); cloudpickle for what it cannot
+    do by reference (lambdas, classes of the rank's own ``__main__``)."""
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        blob: bytes = cloudpickle.dumps(value)
+        return blob
+
+
 def _encode_error(exc: BaseException) -> bytes:
     tb = "".join(traceback.format_exception(exc))
     try:
@@ -146,7 +156,7 @@ class _Rank:
                 _TASK_RECEIVED.hit()
             fn, args, kwargs = cloudpickle.loads(payload)
             result = fn(*args, **kwargs)
-            out = cloudpickle.dumps(result)
+            out = _dumps(result)
             check_size(len(out), self.channel.max_message_bytes, f"the result of task {msg_id}")
             kind = Kind.RESULT_OK
         # BaseException on purpose: a task's SystemExit or KeyboardInterrupt must fail that

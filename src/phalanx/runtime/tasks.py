@@ -1,28 +1,35 @@
 """Task futures: the parent's view of one task running in a rank.
 
-A task has two outcomes that can part ways: its *logical* outcome (the future: a
-value, the task's exception, or TaskTimeoutError once its deadline passed) and its
-*physical* completion (the rank reported back, or the rank is gone). A timed-out task
-may still be running; the run fence waits for physical completion, because only then
-have the task's users of shared resources provably stopped.
+A task has two outcomes that can part ways: its *logical* outcome (a value, the task's
+exception, or TaskTimeoutError once its deadline passed) and its *physical* completion
+(the rank reported back, or the rank is gone). A timed-out task may still be running;
+the run fence waits for physical completion, because only then have the task's users
+of shared resources provably stopped.
+
+One Event per future on the common path (the round trip is what the Worker benchmark
+measures against multiprocessing.Pool); a second one exists only for a task that
+expired and must still be waited out.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ._errors import TaskTimeoutError
 
 __all__ = ["TaskFuture"]
 
+# Guards the outcome fields of every future: critical sections are a few assignments.
+_OUTCOME = threading.Lock()
+
 
 class TaskFuture:
     """The future of one task. ``result()`` waits at most until the task's deadline."""
+
+    __slots__ = ("_done", "_error", "_expired_wait", "_finished", "_value", "control",
+                 "deadline", "name", "observed", "rank", "run_id", "task_id", "timeout")
 
     def __init__(self, rank: int, task_id: int, name: str, run_id: int, timeout: float,
                  control: bool = False) -> None:
@@ -33,82 +40,95 @@ class TaskFuture:
         self.run_id = run_id
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
-        self._fut: Future[Any] = Future()
-        self._lock = threading.Lock()
-        self._finished = threading.Event()  # physical completion
         self.observed = False  # result()/exception() was called: the caller saw a failure
+        self._done = threading.Event()  # the logical outcome is known
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._finished = False  # physical completion
+        self._expired_wait: threading.Event | None = None  # only for expired tasks
 
     def __repr__(self) -> str:
-        state = "done" if self._fut.done() else "pending"
+        state = "done" if self._done.is_set() else "pending"
         return f"<TaskFuture {self.name} rank={self.rank} id={self.task_id} {state}>"
 
     # -- for the user ---------------------------------------------------------------
     def done(self) -> bool:
-        return self._fut.done()
+        return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> Any:
         self.observed = True
         self._wait(timeout)
-        return self._fut.result(0)
+        if self._error is not None:
+            raise self._error
+        return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self.observed = True
         self._wait(timeout)
-        return self._fut.exception(0)
+        return self._error
 
     @property
     def finished(self) -> bool:
         """The rank has stopped running this task (reported back, or died)."""
-        return self._finished.is_set()
+        return self._finished
 
     # -- for the runtime -------------------------------------------------------------
     def _wait(self, timeout: float | None) -> None:
+        if self._done.is_set():
+            return
         remaining = self.deadline - time.monotonic()
         wait = remaining if timeout is None else min(timeout, remaining)
-        try:
-            self._fut.exception(max(0.0, wait))
-        except FutureTimeout:
-            if time.monotonic() >= self.deadline:
-                self.expire()
-            else:
-                raise TimeoutError(
-                    f"task {self.name} (id {self.task_id}) on rank {self.rank} not done after "
-                    f"{timeout}s; it keeps running until its deadline"
-                ) from None
+        if self._done.wait(max(0.0, wait)):
+            return
+        if time.monotonic() >= self.deadline:
+            self.expire()
+            return
+        raise TimeoutError(
+            f"task {self.name} (id {self.task_id}) on rank {self.rank} not done after "
+            f"{timeout}s; it keeps running until its deadline")
 
     def wait_settled(self) -> None:
         """Wait for the logical outcome, expiring the task at its deadline."""
-        with contextlib.suppress(TimeoutError):
+        try:
             self._wait(None)
+        except TimeoutError:
+            pass
 
     def wait_finished(self, timeout: float) -> bool:
-        return self._finished.wait(timeout)
+        with _OUTCOME:
+            if self._finished:
+                return True
+            if self._expired_wait is None:
+                self._expired_wait = threading.Event()
+            event = self._expired_wait
+        return event.wait(timeout)
 
     def expire(self) -> None:
-        with self._lock:
-            if not self._fut.done():
-                self._fut.set_exception(
-                    TaskTimeoutError(
-                        f"task {self.name} (id {self.task_id}) of run {self.run_id} on rank "
-                        f"{self.rank} did not finish within its {self.timeout:g}s deadline; the "
-                        f"rank may still be running it (close() stops the rank)"
-                    )
-                )
+        with _OUTCOME:
+            if self._done.is_set():
+                return
+            self._error = TaskTimeoutError(
+                f"task {self.name} (id {self.task_id}) of run {self.run_id} on rank "
+                f"{self.rank} did not finish within its {self.timeout:g}s deadline; the "
+                f"rank may still be running it (close() stops the rank)")
+            self._done.set()
+
+    def _settle(self, value: Any, error: BaseException | None) -> None:
+        with _OUTCOME:
+            if not self._done.is_set():
+                self._value, self._error = value, error
+                self._done.set()
+            self._finished = True
+            event = self._expired_wait
+        if event is not None:
+            event.set()
 
     def set_result(self, value: Any) -> None:
-        with self._lock:
-            if not self._fut.done():
-                self._fut.set_result(value)
-        self._finished.set()
+        self._settle(value, None)
 
     def set_exception(self, exc: BaseException) -> None:
-        with self._lock:
-            if not self._fut.done():
-                self._fut.set_exception(exc)
-        self._finished.set()
+        self._settle(None, exc)
 
     def failure(self) -> BaseException | None:
         """The logical failure if settled with one, without marking it observed."""
-        if not self._fut.done():
-            return None
-        return self._fut.exception(0)
+        return self._error if self._done.is_set() else None
