@@ -410,7 +410,7 @@ class Worker:
         if rank not in self._send_locks:
             raise ValueError(f"rank {rank} is not a rank of this worker (ranks {self.ranks})")
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        payload = cloudpickle.dumps((fn, args, kwargs))
+        payload = _encode_task(fn, args, kwargs)
         check_size(len(payload), self.max_message_bytes, f"task {name} for rank {rank}")
         fut = TaskFuture(rank, next(self._ids), name, 0 if run is None else run.run_id,
                          self.task_timeout if timeout is None else timeout, control)
@@ -557,6 +557,20 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<Worker {self.generation} ranks={len(self.ranks)} {self._state.value}>"
+
+
+def _encode_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """The C pickler when ``fn`` lives in a module the rank can import by name (the common,
+    fast case: ~10x cheaper than cloudpickle); cloudpickle, which ships by value, for
+    functions of ``__main__``, lambdas, closures, and anything plain pickle refuses."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "__main__")
+    if module is not None and module.__name__ != "__main__" and module.__spec__ is not None:
+        try:
+            return pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            pass
+    blob: bytes = cloudpickle.dumps((fn, args, kwargs))
+    return blob
 
 
 def _arm_in_ranks(o: Orchestrator, ranks: list[int], name: str | None, spec: str | None) -> None:
