@@ -219,3 +219,14 @@ def test_worker_created_off_the_main_thread() -> None:
     t.start()
     t.join(30)
     assert out == [42]
+
+
+def test_rank_scheduler_policy() -> None:
+    with phalanx.Worker(ranks=1) as w:  # default: batch (docs/design.md, Runtime)
+        assert w.run(lambda o: o.submit(0, os.sched_getscheduler, 0).result()) == \
+            os.SCHED_BATCH
+    with phalanx.Worker(ranks=1, rank_scheduler="other") as w:
+        assert w.run(lambda o: o.submit(0, os.sched_getscheduler, 0).result()) == \
+            os.SCHED_OTHER
+    with pytest.raises(ValueError, match="rank_scheduler"):
+        phalanx.Worker(ranks=1, rank_scheduler="fifo")

@@ -70,6 +70,18 @@ def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
     threading.Thread(target=watch, name="phalanx-parent-watch", daemon=True).start()
 
 
+def _set_scheduler(policy: str) -> None:
+    """SCHED_BATCH (the default) keeps a rank woken by a frame from preempting the
+    parent in the middle of a fan-out: the parent's sends to every member of a step go
+    out back to back and the members start together. Measured: a domain cycle ~15%
+    shorter on two cores, task round trips unchanged (docs/design.md, Runtime)."""
+    if policy == "batch":
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as err:
+            log.warning("could not set SCHED_BATCH (%s); ranks keep the default policy", err)
+
+
 def _setup_logging(rank: int) -> None:
     level = os.environ.get("PHALANX_LOG_LEVEL", "WARNING").upper()
     handler = logging.StreamHandler(sys.stderr)
@@ -224,6 +236,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid, os.environ.get("PHALANX_PDEATHSIG", "1") == "1")
     _setup_logging(rank)
+    _set_scheduler(os.environ.get("PHALANX_RANK_SCHED", "batch"))
     failpoints.set_process_rank(rank)
     _context.set_rank(rank)
     import phalanx  # noqa: F401  (declares every failpoint so the env can arm any of them)

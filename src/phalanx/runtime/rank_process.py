@@ -49,6 +49,7 @@ class RankProcess:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         failpoints: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
+        scheduler: str = "batch",
     ) -> None:
         self.rank = rank
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -65,6 +66,7 @@ class RankProcess:
                 PHALANX_PARENT_PID=str(os.getpid()),
                 PHALANX_CHANNEL_FD=str(child_sock.fileno()),
                 PHALANX_MAX_MESSAGE_BYTES=str(max_message_bytes),
+                PHALANX_RANK_SCHED=scheduler,
                 # PDEATHSIG follows the starting *thread*; see rank_main._die_with_parent.
                 PHALANX_PDEATHSIG="1" if threading.current_thread() is threading.main_thread()
                 else "0",

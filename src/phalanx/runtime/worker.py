@@ -100,9 +100,13 @@ class Worker:
         lease_expiry_s: float = DEFAULT_LEASE_EXPIRY_S,
         job_token: str | None = None,
         store_host: str = "127.0.0.1",
+        rank_scheduler: str = "batch",
     ) -> None:
         if ranks < 1:
             raise ValueError(f"Worker(ranks={ranks}): need at least one rank")
+        if rank_scheduler not in ("batch", "other"):
+            raise ValueError(f"Worker(rank_scheduler={rank_scheduler!r}): 'batch' or 'other'")
+        self._rank_scheduler = rank_scheduler
         if rendezvous not in BACKENDS:
             raise ValueError(f"Worker(rendezvous={rendezvous!r}): choose one of {BACKENDS}")
         self.rendezvous = rendezvous
@@ -165,7 +169,7 @@ class Worker:
         self._journal.add("stop rank processes", self._stop_ranks)
         for r in self.ranks:
             proc = RankProcess(r, max_message_bytes=self.max_message_bytes,
-                               failpoints=fps, env=env)
+                               failpoints=fps, env=env, scheduler=self._rank_scheduler)
             self._procs[r] = proc
             self._hub.add(r, proc.sock, proc.proc.stderr)
         _RANKS_SPAWNED.hit()
