@@ -346,7 +346,7 @@ class Worker:
                 f"only close() is left"
             )
 
-    def _admit(self, orch_fn: Callable[..., Any], thread: bool) -> Run:
+    def _admit(self, orch_fn: Callable[..., Any]) -> Run:
         with self._lock:
             self._check_admitting()
         if not self._run_slots.acquire(timeout=self.task_timeout):
@@ -366,7 +366,7 @@ class Worker:
 
     def submit(self, orch_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> RunHandle:
         """Start ``orch_fn(orch, *args, **kwargs)`` on a run thread; returns its handle."""
-        run = self._admit(orch_fn, thread=True)
+        run = self._admit(orch_fn)
         threading.Thread(
             target=run.execute, args=(orch_fn, args, kwargs, self.orchestrator_class(run)),
             name=f"phalanx-run-{run.run_id}", daemon=True,
@@ -379,7 +379,7 @@ class Worker:
         The same as ``submit(...).result()``, executed in the calling thread: the caller
         would block anyway, and it saves a thread start and a wake-up per run.
         """
-        run = self._admit(orch_fn, thread=False)
+        run = self._admit(orch_fn)
         run.execute(orch_fn, args, kwargs, self.orchestrator_class(run))
         return RunHandle(run).result()
 
