@@ -71,6 +71,20 @@ class _Bar(tqdm):  # type: ignore[misc]
     monitor_interval = 0
 
 
+def _with_progress(names: list[str], directory: str, progress: bool) -> Iterator[str]:
+    """Yield ``names``; a progress bar appears when a recovery takes more than a second
+    (updated every 1,024 files, so the bar costs nothing per file)."""
+    bar = _Bar(total=len(names), desc=f"recovering {directory}", unit="file", delay=1.0,
+               disable=not progress or len(names) < 1000, leave=False)
+    try:
+        for i, name in enumerate(names):
+            if i % 1024 == 1023:
+                bar.update(1024)
+            yield name
+    finally:
+        bar.close()
+
+
 @contextmanager
 def no_gc() -> Iterator[None]:
     """Cyclic GC off while recovery builds 100,000s of objects that all stay alive:
@@ -142,27 +156,20 @@ def scan(directory: str, geometry: Geometry | None, fingerprint: bytes | None,
     res = ScanResult()
     with os.scandir(directory) as it:
         names = [e.name for e in it]
-    bar = _Bar(total=len(names), desc=f"recovering {directory}", unit="file", delay=1.0,
-               disable=not progress or len(names) < 1000, leave=False)
-    try:
-        for i, name in enumerate(names):
-            if i % 1024 == 1023:
-                bar.update(1024)
-            if name in _OURS:
-                continue
-            if is_temp_name(name):
-                res.temps.append(name)
-                continue
-            if len(name) != _NAME_LEN or not name.endswith(RECORD_SUFFIX):
-                res.foreign.append(name)
-                continue
-            checked = _checked_header(directory, name, geometry, fingerprint)
-            if isinstance(checked, str):
-                res.bad.append((name, checked))
-            else:
-                res.headers.append(checked)
-    finally:
-        bar.close()
+    for name in _with_progress(names, directory, progress):
+        if name in _OURS:
+            continue
+        if is_temp_name(name):
+            res.temps.append(name)
+            continue
+        if len(name) != _NAME_LEN or not name.endswith(RECORD_SUFFIX):
+            res.foreign.append(name)
+            continue
+        checked = _checked_header(directory, name, geometry, fingerprint)
+        if isinstance(checked, str):
+            res.bad.append((name, checked))
+        else:
+            res.headers.append(checked)
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -228,19 +235,12 @@ def recover(directory: str, geometry: Geometry, fingerprint: bytes,
         cols = cols.take(trusted)
     res.columns = cols
     res.from_snapshot = len(trusted)
-    bar = _Bar(total=len(to_read), desc=f"recovering {directory}", unit="file", delay=1.0,
-               disable=not progress or len(to_read) < 1000, leave=False)
-    try:
-        for k, name in enumerate(to_read):
-            if k % 1024 == 1023:
-                bar.update(1024)
-            checked = _checked_header(directory, name, geometry, fingerprint)
-            if isinstance(checked, str):
-                res.bad.append((name, checked))
-            else:
-                cols.append(_fact(checked))
-    finally:
-        bar.close()
+    for name in _with_progress(to_read, directory, progress):
+        checked = _checked_header(directory, name, geometry, fingerprint)
+        if isinstance(checked, str):
+            res.bad.append((name, checked))
+        else:
+            cols.append(_fact(checked))
     res.seconds = time.perf_counter() - t0
     return res
 
