@@ -17,6 +17,7 @@ import phalanx
 from leaks import _files_under
 from phalanx.lifecycle import failpoints
 from phalanx.rendezvous import (
+    HandshakeAbortedError,
     HandshakeError,
     HandshakeTimeoutError,
     StoreBackend,
@@ -26,6 +27,7 @@ from phalanx.rendezvous import (
     live_markers,
     sweep,
 )
+from phalanx.rendezvous import current
 from phalanx.rendezvous.generation import OWNER_FILE
 
 BACKENDS = ["hub", "marker", "store"]
@@ -76,6 +78,46 @@ def test_timed_out_handshake_names_missing_ranks(backend: str, tmp_path: Path) -
             w.run(lambda o: o.submit(0, handshake, "alloc", 77, [0, 1, 2], 0.5).result())
         assert info.value.missing == [1, 2]
         assert "allocation 77" in str(info.value)
+
+
+def _wait_for_abort(alloc_id: int, ranks: list[int]) -> str:
+    try:
+        handshake("alloc", alloc_id, ranks, timeout=120)
+    except HandshakeAbortedError:
+        return "aborted"
+    return "released"
+
+
+def _abort_after(delay: float, alloc_id: int, ranks: list[int]) -> None:
+    time.sleep(delay)
+    rank = phalanx.current_rank()
+    assert rank is not None
+    current.backend().abort(alloc_id, rank, ["alloc"], ranks)
+
+
+def _purge(alloc_id: int, ranks: list[int]) -> int:
+    return current.backend().purge(alloc_id, ["alloc"], ranks)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_wakes_waiters_and_refuses_late_arrivals(backend: str, tmp_path: Path) -> None:
+    """One participant gives up: the ones already waiting stop at once with an abort
+    (not after their 120 s timeout), one arriving later is refused, and the purge leaves
+    the resting marker count."""
+    def orch(o: phalanx.Orchestrator) -> tuple[list[str], int, int]:
+        ranks = list(o.ranks)
+        rest = o.submit(0, _markers).result()
+        waiting = [o.submit(r, _wait_for_abort, 5, ranks) for r in ranks[:2]]
+        o.submit(2, _abort_after, 0.5, 5, ranks).result()
+        outcomes = [f.result() for f in waiting]
+        outcomes.append(o.submit(2, _wait_for_abort, 5, ranks).result())  # late
+        o.submit(0, _purge, 5, ranks).result()
+        return outcomes, rest, o.submit(0, _markers).result()
+
+    with phalanx.Worker(ranks=3, rendezvous=backend, runtime_dir=tmp_path) as w:
+        outcomes, rest, after = w.run(orch)
+    assert outcomes == ["aborted"] * 3
+    assert after == rest
 
 
 def test_marker_publish_failure_names_rank_tag_and_allocation(tmp_path: Path) -> None:

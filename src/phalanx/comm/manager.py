@@ -133,7 +133,8 @@ class DomainManager:
     def _purge(self, spec: DomainSpec) -> None:
         # Markers or keys a failed handshake left: remove them now that nobody waits.
         for r in spec.members:
-            outcome = self.worker._call_ranks([r], rank_ops.purge_handshakes, spec.alloc_id)[r]
+            outcome = self.worker._call_ranks([r], rank_ops.purge_handshakes, spec.alloc_id,
+                                                spec.members)[r]
             if not isinstance(outcome, BaseException):
                 return
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -61,6 +61,7 @@ _WINDOW_UNMAP = _F("domain.release.window_unmap", "rank: about to unmap own segm
 _SLOT_RETURN = _F("domain.release.slot_return", "rank: about to return the notify slot")
 
 ALLOC_TAGS = ("created", "attached")
+HANDSHAKE_TAGS = (*ALLOC_TAGS, "poolcreated", "poolmapped")  # every tag of an allocation
 PHASE_CREATED, PHASE_ATTACHED = 1, 2
 _PHASE_ABORT = 0xFF
 
@@ -150,7 +151,7 @@ def base_init(attempt_id: int, world: list[int], timeout: float) -> None:
         st.ledger.release(name_entry)  # every rank mapped it: no name outlives this step
         _BASE_POOL_UNLINKED.hit()
     except BaseException as exc:
-        _rollback(attempt_id, BASE_OWNER, exc)
+        _rollback(attempt_id, BASE_OWNER, exc, abort_among=world)
         raise
     st.pool, st.pool_entry = pool, map_entry
     st.flags = {r: _flags(mm) for r, mm in peers.items()}
@@ -218,7 +219,7 @@ def domain_alloc(spec: DomainSpec, timeout: float) -> None:
         _VIEW_REGISTERED.hit()
     except BaseException as exc:
         _abort_pool_handshakes(spec)
-        _rollback(spec.alloc_id, owner, exc, abort_backend=False)
+        _rollback(spec.alloc_id, owner, exc)
         raise
 
 
@@ -240,11 +241,13 @@ def _drop_view(alloc_id: int) -> None:
         view.revoke()
 
 
-def _rollback(alloc_id: int, owner: str, exc: BaseException, abort_backend: bool = True) -> None:
-    """Tell the other members to stop waiting, then undo what this rank recorded."""
-    if abort_backend:
+def _rollback(alloc_id: int, owner: str, exc: BaseException,
+              abort_among: Sequence[int] = ()) -> None:
+    """Tell the other members (``abort_among``, when they wait in rendezvous handshakes)
+    to stop waiting, then undo what this rank recorded."""
+    if abort_among:
         try:
-            current.backend().abort(alloc_id, rank_comm().rank)
+            current.backend().abort(alloc_id, rank_comm().rank, HANDSHAKE_TAGS, abort_among)
         except Exception as err:  # noqa: BLE001  a courtesy; timeouts still bound peers
             exc.add_note(f"rank {rank_comm().rank} could not abort allocation {alloc_id}: "
                          f"{err!r}")
@@ -289,9 +292,9 @@ def domain_release(alloc_id: int, members: list[int], timeout: float) -> None:
         raise CleanupError(f"rank {st.rank}: releasing domain {alloc_id} failed", errors)
 
 
-def purge_handshakes(alloc_id: int) -> int:
+def purge_handshakes(alloc_id: int, members: Sequence[int]) -> int:
     """Remove what failed handshakes of ``alloc_id`` left behind (nobody waits any more)."""
-    return current.backend().purge(alloc_id, (*ALLOC_TAGS, "poolcreated", "poolmapped"))
+    return current.backend().purge(alloc_id, HANDSHAKE_TAGS, members)
 
 
 def force_release(alloc_id: int) -> None:

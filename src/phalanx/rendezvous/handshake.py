@@ -48,8 +48,8 @@ __all__ = [
 _PUBLISH = Failpoint("rendezvous.handshake.publish", "about to publish a marker or key")
 _REMOVE = Failpoint("rendezvous.handshake.remove", "the leader is about to remove markers")
 _MAX_MASK_PARTICIPANTS = 31  # arrival bitmask in the low half of a signed 64-bit counter
-_LOW_BITS = (1 << 32) - 1
-_ABORT_POLL_S = 0.05
+_LATE_RELEASE_S = 5.0  # a release key seen coming just as a wait timed out
+_ABORTED = 1 << 40  # in a store counter: the allocation was aborted
 _ABORT_MEMORY_S = 300.0  # how long the hub remembers an aborted allocation id
 
 
@@ -59,10 +59,12 @@ class Backend(Protocol):
     def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
                   timeout: float) -> None: ...
 
-    def abort(self, alloc_id: int, rank: int) -> None:
-        """Tell every participant waiting in a handshake of ``alloc_id`` to give up."""
+    def abort(self, alloc_id: int, rank: int, tags: Sequence[str],
+              participants: Sequence[int]) -> None:
+        """Tell every participant waiting in a handshake of ``alloc_id`` (with one of
+        ``tags``) to give up."""
 
-    def purge(self, alloc_id: int, tags: Sequence[str]) -> int:
+    def purge(self, alloc_id: int, tags: Sequence[str], participants: Sequence[int]) -> int:
         """Remove what failed handshakes of ``alloc_id`` left (once nobody waits on them)."""
 
     def live_markers(self) -> int: ...
@@ -121,11 +123,11 @@ class MarkerBackend:
         abort = self._abort_path(alloc_id)
         delay = 20e-6
         while True:
+            if os.path.exists(abort):  # first: markers of ranks that gave up still exist
+                raise _aborted(tag, alloc_id, rank)
             missing = {r: p for r, p in missing.items() if not os.path.exists(p)}
             if not missing:
                 return
-            if os.path.exists(abort):
-                raise _aborted(tag, alloc_id, rank)
             if time.monotonic() > deadline:
                 raise _timeout(phase, tag, alloc_id, rank, sorted(missing), timeout)
             time.sleep(delay)
@@ -155,10 +157,11 @@ class MarkerBackend:
     def _abort_path(self, alloc_id: int) -> str:
         return os.path.join(self.directory, f"hs-{alloc_id}-abort")
 
-    def abort(self, alloc_id: int, rank: int) -> None:
+    def abort(self, alloc_id: int, rank: int, tags: Sequence[str],
+              participants: Sequence[int]) -> None:
         self._publish(self._abort_path(alloc_id), "abort", alloc_id, rank)
 
-    def purge(self, alloc_id: int, tags: Sequence[str]) -> int:
+    def purge(self, alloc_id: int, tags: Sequence[str], participants: Sequence[int]) -> int:
         prefix = f"hs-{alloc_id}-"
         removed = 0
         for name in os.listdir(self.directory):
@@ -207,63 +210,77 @@ class StoreBackend:
                 f"the TCP store at {host}:{port} holds no job for this job token and generation "
                 f"{generation}: refused. Check PHALANX_JOB_TOKEN and the store address")
 
+    def _counter(self, alloc_id: int, tag: str) -> str:
+        return f"{self.prefix}/hs/{alloc_id}/{tag}"
+
     def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
                   timeout: float) -> None:
-        """Two keys per handshake, three round trips per rank.
+        """A counter and one release key per waiting rank; two round trips for the last
+        to arrive, three for the others, and no key left once every call returned.
 
-        One counter carries both phases. Arrival adds ``1 << position`` to its low bits,
-        so the low bits are the bitmask of who arrived and a timeout can name the
-        missing ranks; the rank that completes the mask sets ``go`` (and need not wait
-        for it), the others wait on ``go``. Departure adds ``1 << 32``; the last one out
-        deletes both keys: nobody reads them after departing.
+        Arrival adds ``1 << position`` to the counter, so its low bits are the mask of who
+        arrived (a timeout names the missing ranks). The rank whose ``add`` completes the
+        mask sets every other participant's release key (``set`` is one-way: no reply to
+        wait for) and deletes the counter, which nobody reads once the mask is full. A
+        waiting rank waits for its own release key and deletes it: it is the only reader.
+        So nobody removes what another still reads, and there is no departure phase.
+        (torch's barrier: add, add, wait for everyone; its keys are never deleted.)
         """
         _check(tag, participants, rank)
         if len(participants) > _MAX_MASK_PARTICIPANTS:
             raise HandshakeError(f"the store backend handshakes at most "
                                  f"{_MAX_MASK_PARTICIPANTS} participants, not {len(participants)}")
-        counter, go = f"{self.prefix}/hs/{alloc_id}/{tag}", f"{self.prefix}/hs/{alloc_id}/{tag}/go"
+        counter = self._counter(alloc_id, tag)
         full = (1 << len(participants)) - 1
         _PUBLISH.hit()
-        if self.store.add(counter, 1 << participants.index(rank)) & _LOW_BITS == full:
-            self.store.set(go, "1")
-        else:
-            try:
-                self.store.wait([go], timedelta(seconds=timeout))
-            except Exception as exc:
-                mask = self.store.add(counter, 0) & _LOW_BITS
+        mask = self.store.add(counter, 1 << participants.index(rank))
+        if mask & _ABORTED:
+            raise _aborted(tag, alloc_id, rank)
+        if mask & full != full:
+            self._wait_release(counter, alloc_id, tag, participants, rank, timeout)
+            return
+        for r in participants:
+            if r != rank:
+                self.store.set(f"{counter}/go/{r}", "1")
+        _REMOVE.hit()
+        self.store.delete_key(counter)
+
+    def _wait_release(self, counter: str, alloc_id: int, tag: str,
+                      participants: Sequence[int], rank: int, timeout: float) -> None:
+        go = f"{counter}/go/{rank}"
+        try:
+            self.store.wait([go], timedelta(seconds=timeout))
+        except Exception as exc:
+            # the last arrival may have come just now: it deletes the counter after
+            # setting the release keys, so an absent counter means ours is there
+            if self.store.check([counter]):
+                mask = self.store.add(counter, 0)
                 missing = [r for i, r in enumerate(participants) if not mask >> i & 1]
                 raise _timeout("arrival", tag, alloc_id, rank, missing, timeout) from exc
-        if self.store.add(counter, 1 << 32) >> 32 == len(participants):
-            _REMOVE.hit()
-            self.store.delete_key(counter)
-            self.store.delete_key(go)
+            self.store.wait([go], timedelta(seconds=_LATE_RELEASE_S))
+        if not self.store.delete_key(go):  # woken without a key: an abort (see abort())
+            raise _aborted(tag, alloc_id, rank)
 
-    def _wait_go(self, go: str, counter: str, tag: str, alloc_id: int,
-                 participants: Sequence[int], rank: int, timeout: float) -> None:
-        # Wait in slices so an abort is seen; the first slice is the common, fast case.
-        deadline = time.monotonic() + timeout
-        abort = f"{self.prefix}/hs/{alloc_id}/abort"
-        while True:
-            slice_s = min(_ABORT_POLL_S, max(0.001, deadline - time.monotonic()))
-            try:
-                self.store.wait([go], timedelta(seconds=slice_s))
-                return
-            except Exception as exc:
-                if self.store.check([abort]):
-                    raise _aborted(tag, alloc_id, rank) from exc
-                if time.monotonic() >= deadline:
-                    mask = self.store.add(counter, 0) & _LOW_BITS
-                    missing = [r for i, r in enumerate(participants) if not mask >> i & 1]
-                    raise _timeout("arrival", tag, alloc_id, rank, missing, timeout) from exc
-
-    def abort(self, alloc_id: int, rank: int) -> None:
-        self.store.set(f"{self.prefix}/hs/{alloc_id}/abort", str(rank))
-
-    def purge(self, alloc_id: int, tags: Sequence[str]) -> int:
-        keys = [f"{self.prefix}/hs/{alloc_id}/abort"]
+    def abort(self, alloc_id: int, rank: int, tags: Sequence[str],
+              participants: Sequence[int]) -> None:
+        """Mark the counters aborted (a later arrival gives up at once) and wake whoever
+        waits for a release key without creating it: ``compare_set`` of a missing key
+        with a non-empty expected value wakes that key's waiters and stores nothing, so
+        a woken rank finds no key to delete and knows it was aborted. (A rank that
+        starts waiting after the wake is not woken: its timeout still bounds it.)"""
         for tag in tags:
-            keys += [f"{self.prefix}/hs/{alloc_id}/{tag}", f"{self.prefix}/hs/{alloc_id}/{tag}/go"]
-        return sum(1 for k in keys if self.store.delete_key(k))
+            counter = self._counter(alloc_id, tag)
+            self.store.add(counter, _ABORTED)
+            for r in participants:
+                self.store.compare_set(f"{counter}/go/{r}", "\x00", "\x00")
+
+    def purge(self, alloc_id: int, tags: Sequence[str], participants: Sequence[int]) -> int:
+        removed = 0
+        for tag in tags:
+            counter = self._counter(alloc_id, tag)
+            keys = [counter, *(f"{counter}/go/{r}" for r in participants)]
+            removed += sum(int(self.store.delete_key(k)) for k in keys)
+        return removed
 
     def live_markers(self) -> int:
         return int(self.store.num_keys())
@@ -291,10 +308,11 @@ class HubBackend:
         if missing:
             raise _timeout("arrival", tag, alloc_id, rank, list(missing), timeout)
 
-    def abort(self, alloc_id: int, rank: int) -> None:
+    def abort(self, alloc_id: int, rank: int, tags: Sequence[str],
+              participants: Sequence[int]) -> None:
         self._request(("abort", alloc_id, "", (), rank, 0.0), 5.0)
 
-    def purge(self, alloc_id: int, tags: Sequence[str]) -> int:
+    def purge(self, alloc_id: int, tags: Sequence[str], participants: Sequence[int]) -> int:
         return 0  # nothing persists: abort already dropped the hub's entries
 
     def live_markers(self) -> int:
