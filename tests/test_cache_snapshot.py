@@ -1,7 +1,9 @@
 """The header snapshot (cache/snapshot.py): used when it matches the directory, ignored
 file by file when it does not, ignored whole when corrupt; a crash between data writes
 and the snapshot write (kill -9) still recovers exactly what reading every header
-recovers. No timing is asserted: "used" is what recover() reports it took from it."""
+recovers. A clean close seals it; the next open consumes the seal and trusts names and
+inodes alone; a file edited in place under a seal is caught by its first load. No
+timing is asserted: "used"/"sealed" is what recover() reports it took from it."""
 
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ from typing import Any
 import numpy as np
 
 from cache_util import FP, GEOM, Built, Clock, Stores, build_tree, page_row, record_files, stores
-from phalanx.cache import DiskStore, fingerprint_digest
+from phalanx.cache import DiskStore, RecordCorruptError, fingerprint_digest
 from phalanx.cache.index import Index
 from phalanx.cache.recovery import build_index, recover, scan
-from phalanx.cache.snapshot import SNAPSHOT_NAME, read_snapshot
+from phalanx.cache.record import record_name
+from phalanx.cache.snapshot import SEAL_NAME, SNAPSHOT_NAME, read_snapshot
+from phalanx.lifecycle.failpoints import arm, disarm
 
 __all__ = ["stores"]
 
@@ -62,29 +66,46 @@ def _written(d: Path, n: int = 150, full_rows: bool = True) -> Built:
     return built
 
 
-def test_snapshot_written_at_close_and_used(tmp_path: Path, stores: Stores) -> None:
+def test_snapshot_written_at_close_sealed_and_used(tmp_path: Path, stores: Stores) -> None:
     built = _written(tmp_path)
-    snap = tmp_path / SNAPSHOT_NAME
-    assert stat.S_IMODE(snap.stat().st_mode) == 0o600
+    snap, seal = tmp_path / SNAPSHOT_NAME, tmp_path / SEAL_NAME
+    assert stat.S_IMODE(snap.stat().st_mode) == stat.S_IMODE(seal.stat().st_mode) == 0o600
     res = recover(str(tmp_path), GEOM, FPD, progress=False)
-    assert res.snapshot == "used"
+    assert res.snapshot == "sealed" and not seal.exists()  # consumed before anything else
     assert res.from_snapshot == len(res.columns) == len(record_files(tmp_path))
     assert res.bad == [] and res.temps == []
+    res = recover(str(tmp_path), GEOM, FPD, progress=False)  # no seal: file by file
+    assert res.snapshot == "used"
+    assert res.from_snapshot == len(res.columns) == len(record_files(tmp_path))
     s = stores.open(tmp_path, clock=Clock())
     assert _view(s._index) == _from_headers(tmp_path)
     assert s.check() == []
     _expect(s, built)
-    # a clean reopen leaves the snapshot alone; a store rewrites it at close
+    # a clean reopen leaves the snapshot alone and seals it again; a store rewrites it
     before = snap.stat().st_mtime_ns
     s.close()
-    assert snap.stat().st_mtime_ns == before
+    assert snap.stat().st_mtime_ns == before and seal.exists()
     s = stores.open(tmp_path, clock=Clock())
+    assert not seal.exists()
     toks = np.arange(10 * PT) + 10**6
     s.store(toks, page_row(toks))
     s.close()
     assert snap.stat().st_mtime_ns != before
     res = recover(str(tmp_path), GEOM, FPD, progress=False)
-    assert res.snapshot == "used" and len(res.columns) == len(built.tokens) + 1
+    assert res.snapshot == "sealed" and len(res.columns) == len(built.tokens) + 1
+    assert res.from_snapshot == len(res.columns)
+
+
+def test_seal_is_not_written_when_close_fails_to_seal(tmp_path: Path, stores: Stores) -> None:
+    _written(tmp_path, n=20)
+    s = stores.open(tmp_path, clock=Clock())
+    arm("cache.close.seal", "errno:28")
+    try:
+        s.close()  # logged, not raised: the next open checks every file instead
+    finally:
+        disarm("cache.close.seal")
+    assert not (tmp_path / SEAL_NAME).exists()
+    assert recover(str(tmp_path), GEOM, FPD, progress=False).snapshot == "used"
 
 
 def test_stale_snapshot_entries_are_read_again(tmp_path: Path, stores: Stores) -> None:
@@ -115,20 +136,54 @@ def test_stale_snapshot_entries_are_read_again(tmp_path: Path, stores: Stores) -
     _expect(s, more)
 
 
-def test_file_changed_in_place_is_not_trusted(tmp_path: Path, stores: Stores) -> None:
-    _written(tmp_path, n=40)
-    victim = tmp_path / record_files(tmp_path)[7]
-    raw = bytearray(victim.read_bytes())
-    raw[150] ^= 0xFF  # inside the header: same size, same inode, new bytes
-    with open(victim, "r+b") as f:
+def _tamper_ready_record(d: Path) -> str:
+    """Flip a byte inside the header of a record that holds a row: same size, same
+    inode, new bytes (what another program editing the directory would do)."""
+    victim = next(h for h in scan(str(d), GEOM, FPD, progress=False).headers
+                  if not h.thinned)
+    path = d / record_name(victim.key)
+    raw = bytearray(path.read_bytes())
+    raw[150] ^= 0xFF
+    with open(path, "r+b") as f:
         f.write(raw)
+    return path.name
+
+
+def test_file_changed_in_place_is_not_trusted_unsealed(tmp_path: Path, stores: Stores) -> None:
+    _written(tmp_path, n=40)
+    (tmp_path / SEAL_NAME).unlink()  # as after a crash: the snapshot is checked file by file
+    name = _tamper_ready_record(tmp_path)
     res = recover(str(tmp_path), GEOM, FPD, progress=False)
     assert res.snapshot == "used"
-    assert (victim.name, "checksum") in res.bad
+    assert (name, "checksum") in res.bad
     assert res.from_snapshot == len(res.columns) == len(record_files(tmp_path)) - 1
     s = stores.open(tmp_path, clock=Clock())
     assert s.statistics().skipped == {"checksum": 1}
     assert _view(s._index) == _from_headers(tmp_path)
+
+
+def test_file_changed_in_place_under_a_seal_is_never_served(tmp_path: Path,
+                                                             stores: Stores) -> None:
+    """A seal vouches for what the store wrote, not for other programs: the tampered
+    record is trusted at open, and its first load finds it corrupt, drops it, counts it;
+    nothing of it is ever returned, and every other prefix still loads intact."""
+    built = _written(tmp_path, n=40)
+    _tamper_ready_record(tmp_path)
+    s = stores.open(tmp_path, clock=Clock())
+    corrupt = 0
+    for _ in range(2):  # the second pass: the dropped record is no longer planned
+        for toks in built.tokens:
+            n = s.lookup(toks)
+            if not n:
+                continue
+            try:
+                data = s.load(toks, n)
+            except RecordCorruptError:
+                corrupt += 1
+                continue
+            assert bytes(data) == page_row(toks[: n * PT])
+    assert corrupt == s.statistics().corrupt_loads == 1
+    assert s.check() == []
 
 
 def test_corrupt_or_foreign_snapshot_is_ignored(tmp_path: Path, stores: Stores) -> None:
@@ -146,7 +201,7 @@ def test_corrupt_or_foreign_snapshot_is_ignored(tmp_path: Path, stores: Stores) 
         assert _view(s._index) == _from_headers(tmp_path)
         _expect(s, built)
         s.close()  # the store rewrites a good snapshot
-        assert recover(str(tmp_path), GEOM, FPD, progress=False).snapshot == "used"
+        assert recover(str(tmp_path), GEOM, FPD, progress=False).snapshot == "sealed"
 
 
 def test_snapshot_method_and_leftover_temp(tmp_path: Path, stores: Stores) -> None:

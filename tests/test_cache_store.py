@@ -9,7 +9,7 @@ import pytest
 
 import phalanx.cache
 from cache_util import FP, GEOM, PB, Clock, Stores, build_tree, page_row, record_files, stores
-from phalanx.cache import NotCachedError, RowSpanError
+from phalanx.cache import NotCachedError, RecordCorruptError, RowSpanError
 
 __all__ = ["stores"]  # the fixture, imported for pytest
 
@@ -90,6 +90,39 @@ def test_load_is_zero_copy_and_fills_a_given_buffer(tmp_path: Path, stores: Stor
     out = bytearray(2 * PB)
     s.load(toks, 2, out=out)
     assert bytes(out) == page_row(toks[: 2 * PT])
+
+
+def test_load_many_matches_single_loads_and_is_all_or_nothing(tmp_path: Path,
+                                                              stores: Stores) -> None:
+    s = stores.open(tmp_path, clock=Clock())
+    built = build_tree(s, 60, branchy=True, full_rows=True, seed=5, max_new_pages=3)
+    while s.poll():  # thinned rows: prefixes read from descendants' rows
+        pass
+    reqs = [(t, max(1, len(t) // PT - i % 2)) for i, t in enumerate(built.tokens)]
+    outs = [bytearray(n * PB) for _, n in reqs[::2]]
+    batch = [(t, n, outs[i // 2]) if i % 2 == 0 else (t, n) for i, (t, n) in enumerate(reqs)]
+    got = s.load_many(batch)
+    assert [bytes(g) for g in got] == [page_row(t[: n * PT]) for t, n in reqs]
+    assert all(bytes(o) == bytes(got[2 * i]) for i, o in enumerate(outs))  # filled in place
+    loads = s.statistics().loads
+    with pytest.raises(NotCachedError):  # refused before anything is read or pinned
+        s.load_many([reqs[0], (np.arange(PT) + 10**9, 1)])
+    assert s.statistics().loads == loads
+    # a record edited by someone else: the batch fails once, after every other read; the
+    # record is dropped and a retry after lookups serves the rest
+    victim = next(r for r in s._index.records.values() if not r.thinned)
+    path = tmp_path / f"{victim.key.hex()}.kv"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(raw)
+    for r in s._index.records.values():
+        r.verified = False  # as after a restart: the next loads check CRCs
+    with pytest.raises(RecordCorruptError):
+        s.load_many(reqs)
+    retry = [(t, s.lookup(t)) for t, _ in reqs]
+    got = s.load_many([(t, n) for t, n in retry if n])
+    assert [bytes(g) for g in got] == [page_row(t[: n * PT]) for t, n in retry if n]
+    assert s.statistics().corrupt_loads == 1 and s.check() == []
 
 
 def test_torch_tensor_rows(tmp_path: Path, stores: Stores) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -112,6 +113,40 @@ class ParallelReader:
             wait(futures)  # never return (and let the caller close fd) with reads running
         for f in futures:
             f.result()
+
+    def run_all(self, tasks: Sequence[Callable[[], None]]) -> None:
+        """Run independent reads at once: on the worker threads and the caller's thread,
+        each taking the next task until none is left. Returns when every task finished;
+        then raises the first task's error, if any (the rest still ran)."""
+        pending = iter(tasks)
+        take = threading.Lock()
+        errors: list[BaseException] = []
+
+        def drain() -> None:
+            while True:
+                with take:
+                    task = next(pending, None)
+                if task is None:
+                    return
+                try:
+                    task()
+                except BaseException as exc:  # noqa: BLE001  kept: raised after all ran
+                    errors.append(exc)
+
+        helpers = min(self.threads - 1, len(tasks) - 1)
+        pool = self._get_pool() if helpers > 0 else None
+        futures: list[Future[None]] = []
+        if pool is not None:
+            try:
+                futures = [pool.submit(drain) for _ in range(helpers)]
+            except RuntimeError:  # shut down meanwhile: the caller's thread does it all
+                pass
+        try:
+            drain()
+        finally:
+            wait(futures)
+        if errors:
+            raise errors[0]
 
     def _get_pool(self) -> ThreadPoolExecutor | None:
         with self._lock:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import operator
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -32,7 +33,15 @@ from .record import (
     RecordHeader,
     record_name,
 )
-from .snapshot import SNAPSHOT_NAME, Columns, Fact, read_snapshot
+from .snapshot import (
+    SEAL_NAME,
+    SNAPSHOT_NAME,
+    Columns,
+    Fact,
+    Snapshot,
+    consume_seal,
+    read_snapshot,
+)
 
 __all__ = [
     "ScanResult", "build_index", "build_index_columns", "no_gc", "read_header", "recover", "scan",
@@ -40,7 +49,7 @@ __all__ = [
 
 log = logging.getLogger("phalanx.cache")
 
-_OURS = frozenset({LOCK_NAME, MANIFEST_NAME, QUARANTINE_DIR, SNAPSHOT_NAME})
+_OURS = frozenset({LOCK_NAME, MANIFEST_NAME, QUARANTINE_DIR, SEAL_NAME, SNAPSHOT_NAME})
 _NAME_LEN = 32 + len(RECORD_SUFFIX)
 
 
@@ -54,7 +63,10 @@ class ScanResult:
     # recover() only: every good record's header facts
     columns: Columns = field(default_factory=Columns)
     from_snapshot: int = 0  # of columns: taken from the snapshot, header not read
-    snapshot: str = "absent"  # "absent", "ignored" (unreadable/stale as a whole), "used"
+    # "absent", "ignored" (unreadable/stale as a whole), "used" (checked file by file),
+    # "sealed" (written by a clean close: trusted on name and inode)
+    snapshot: str = "absent"
+    snapshot_taken_ns: int | None = None  # of a snapshot that was read
 
     def skipped(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -181,41 +193,79 @@ def _fact(h: RecordHeader) -> Fact:
 
 def recover(directory: str, geometry: Geometry, fingerprint: bytes,
             progress: bool = True) -> ScanResult:
-    """Like ``scan``, with the snapshot: one ``stat`` per record file, and a header read
-    only for files the snapshot does not cover exactly (see snapshot.py)."""
+    """Like ``scan``, with the snapshot: a header read only for files the snapshot does
+    not cover exactly (see snapshot.py). A sealed snapshot costs the listing alone; an
+    unsealed one a ``stat`` per file. Removes the seal: call only as the lock holder."""
     t0 = time.perf_counter()
     res = ScanResult()
+    sealed_ns = consume_seal(directory)  # first: a seal must not outlive what follows
     snap = read_snapshot(directory, geometry, fingerprint)
     has_file = os.path.exists(os.path.join(directory, SNAPSHOT_NAME))
-    res.snapshot = "used" if snap is not None else ("ignored" if has_file else "absent")
-    rows: dict[str, int] = snap.rows if snap is not None else {}
-    empty: list[int] = []
-    cols = snap.columns if snap is not None else Columns()
-    sizes, mtimes = cols.file_lens, snap.mtimes if snap is not None else empty
-    ctimes, inos = (snap.ctimes, snap.inos) if snap is not None else (empty, empty)
-    cutoff = snap.cutoff_ns if snap is not None else 0
-    trusted: list[int] = []
+    sealed = snap is not None and sealed_ns == snap.taken_ns
+    res.snapshot = ("sealed" if sealed else "used") if snap is not None else (
+        "ignored" if has_file else "absent")
+    res.snapshot_taken_ns = snap.taken_ns if snap is not None else None
     to_read: list[str] = []
+    with os.scandir(directory) as it:
+        inode_of = {e.name: e.inode() for e in it}  # the listing carries inodes: no stat
+    # names the snapshot does not hold (set difference: C speed): classify, read records
+    for name in inode_of.keys() - (snap.rows.keys() if snap is not None else set()):
+        if name in _OURS:
+            continue
+        if is_temp_name(name):
+            res.temps.append(name)
+        elif len(name) != _NAME_LEN or not name.endswith(RECORD_SUFFIX):
+            res.foreign.append(name)
+        else:
+            to_read.append(name)
+    if snap is None:
+        trusted: list[int] = []
+    elif sealed:
+        trusted = _trusted_by_inode(snap, inode_of, to_read)
+    else:
+        trusted = _trusted_by_stat(directory, snap, inode_of.keys(), to_read, res)
+    cols = snap.columns if snap is not None else Columns()
+    if len(trusted) != len(cols):  # names are unique: all trusted means every row once
+        cols = cols.take(trusted)
+    res.columns = cols
+    res.from_snapshot = len(trusted)
+    for name in _with_progress(to_read, directory, progress):
+        checked = _checked_header(directory, name, geometry, fingerprint)
+        if isinstance(checked, str):
+            res.bad.append((name, checked))
+        else:
+            cols.append(_fact(checked))
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _trusted_by_inode(snap: Snapshot, inode_of: dict[str, int], to_read: list[str]) -> list[int]:
+    """Rows of a sealed snapshot whose file is listed under the same inode. A file
+    replaced since has another inode: its header is read. (map/zip loops: C speed.)"""
+    listed = list(map(inode_of.get, snap.names))  # None: removed since the snapshot
+    same = np.fromiter(map(operator.eq, listed, snap.inos), dtype=bool, count=len(listed))
+    trusted: list[int] = np.flatnonzero(same).tolist()  # in the snapshot's order
+    if len(trusted) != len(listed):
+        to_read.extend(name for name, ino, ok in zip(snap.names, listed, same.tolist(),
+                                                      strict=True)
+                       if not ok and ino is not None)
+    return trusted
+
+
+def _trusted_by_stat(directory: str, snap: Snapshot, listed: Set[str], to_read: list[str],
+                     res: ScanResult) -> list[int]:
+    """Rows of an unsealed snapshot whose file's size, mtime, ctime and inode all match
+    and whose mtime is older than the snapshot by the racy window (see snapshot.py)."""
+    sizes, mtimes, ctimes, inos = snap.columns.file_lens, snap.mtimes, snap.ctimes, snap.inos
+    cutoff = snap.cutoff_ns
+    trusted: list[int] = []
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        with os.scandir(directory) as it:
-            names = [e.name for e in it]
-        for name in names:
-            if name not in rows:  # not in the snapshot: classify, read if a record
-                if name in _OURS:
-                    continue
-                if is_temp_name(name):
-                    res.temps.append(name)
-                elif len(name) != _NAME_LEN or not name.endswith(RECORD_SUFFIX):
-                    res.foreign.append(name)
-                else:
-                    to_read.append(name)
         # the snapshot's files in its order (write order: inode order on a fresh
         # directory), not the listing's hash order: the stat and compare loop then walks
         # inodes and the snapshot's columns in sequence
-        listed = set(names)
         stat = os.stat
-        for i, name in enumerate(snap.names if snap is not None else ()):
+        for i, name in enumerate(snap.names):
             if name not in listed:
                 continue  # removed since the snapshot
             try:
@@ -231,18 +281,7 @@ def recover(directory: str, geometry: Geometry, fingerprint: bytes,
                 to_read.append(name)
     finally:
         os.close(dfd)
-    if len(trusted) != len(cols):  # names are unique: all trusted means every row once
-        cols = cols.take(trusted)
-    res.columns = cols
-    res.from_snapshot = len(trusted)
-    for name in _with_progress(to_read, directory, progress):
-        checked = _checked_header(directory, name, geometry, fingerprint)
-        if isinstance(checked, str):
-            res.bad.append((name, checked))
-        else:
-            cols.append(_fact(checked))
-    res.seconds = time.perf_counter() - t0
-    return res
+    return trusted
 
 
 def build_index(headers: list[RecordHeader]) -> Index:
@@ -263,41 +302,39 @@ def build_index_columns(cols: Columns) -> Index:
     """
     index = Index()
     root, nodes, records = index.root, index.nodes, index.records
-    keys, parents, starts, ends = cols.keys, cols.parents, cols.starts, cols.ends
-    row_lens, file_lens, created, flags, spans = (
-        cols.row_lens, cols.file_lens, cols.created, cols.flags, cols.spans)
-    n = len(keys)
-    thin_col = np.array(flags, dtype=np.int64) & FLAG_THINNED
-    start_col = np.array(starts, dtype=np.int64)
-    order: Iterable[int] = range(n)
-    if n and (thin_col.any() or (np.diff(start_col) < 0).any()):
+    n = len(cols.keys)
+    thin_col = np.array(cols.flags, dtype=np.int64) & FLAG_THINNED
+    start_col = np.array(cols.starts, dtype=np.int64)
+    columns = (cols.keys, cols.parents, cols.starts, cols.ends, cols.row_lens,
+               cols.file_lens, cols.created, cols.flags, cols.spans)
+    if n > 1 and (thin_col.any() or (np.diff(start_col) < 0).any()):
         # ready rows first, by first page (stable: equal starts keep their order)
-        order = np.lexsort((start_col, thin_col)).tolist()
+        pick = operator.itemgetter(*np.lexsort((start_col, thin_col)).tolist())
+        columns = tuple(list(pick(col)) for col in columns)  # type: ignore[assignment]
     attached = 0
     total = 0
-    for i in order:
-        key, start, flag = keys[i], starts[i], flags[i]
+    nodes_get = nodes.get
+    for key, parent_key, start, end, row_len, file_len, created, flag, span in zip(
+            *columns, strict=True):
         thinned = bool(flag & FLAG_THINNED)
-        rec = Record(key, parents[i], start, ends[i], row_lens[i], file_lens[i], created[i],
-                     thinned, False)
+        rec = Record(key, parent_key, start, end, row_len, file_len, created, thinned, False)
         if start == 0:
             parent: Node | None = root
         else:
-            parent = nodes.get(parents[i])
+            parent = nodes_get(parent_key)
             if parent is not None and parent.depth != start:
                 parent = None
-        existing = nodes.get(key)
+        existing = nodes_get(key)
         if parent is None or (existing is not None and existing.record is not None):
             index.add_orphan(rec)
             continue
-        span = spans[i]
         if thinned:
             if not index.attach_interior(rec, [key] if span is None else span, parent):
                 index.add_orphan(rec)
         elif span is not None:
             index.add(rec, span, parent, recovering=True)
         else:  # a one-page row: Index.add(recovering=True), inline
-            node = parent.children.get(key)
+            node = existing  # keys chain their parent's: an existing node is parent's child
             if node is None:
                 node = Node(key, parent, start + 1)
                 parent.children[key] = node
@@ -306,7 +343,7 @@ def build_index_columns(cols: Columns) -> Index:
             node.record = rec
             records[key] = rec
             node.covers.append(rec)
-            total += rec.file_len
+            total += file_len
             attached += 1
     index.bytes += total
     index.changes += attached

@@ -16,6 +16,19 @@ Written at ``close()`` (when the index changed since it was read or written) and
 ``DiskStore.snapshot()``, as a 0600 temp file renamed into place; a crash leaves the
 old snapshot or the new one (the temp is purged like any other).
 
+The seal (``DIR/phalanx-index.seal``): ``close()`` writes it after the snapshot, naming
+the snapshot it vouches for (its ``taken_ns``). It says: the store that held the
+directory lock wrote this snapshot as its last change and closed. The next open
+removes the seal before it reads or changes anything else, so a seal is never seen by
+an open after a crash, and never outlives the first change. A sealed snapshot is
+trusted on a name and inode match from the directory listing alone (no ``stat`` per
+file, the cost of a restart otherwise); an unsealed one (after a crash, or written by
+``DiskStore.snapshot()`` while the store went on) is checked file by file as above.
+What a seal cannot vouch for, a file edited in place by another program while the
+store was closed, the first load still catches: it checks the file's header against
+the index and every page against its CRC (as it does for bit rot, which no timestamp
+shows either).
+
 Layout (little endian): a 64-byte head (magic, version, record count, extra-key
 count, taken_ns, fingerprint, geometry digest), then ``count`` ENTRY rows, then the
 extra page keys (16 bytes each: every span page but the last, whose key is the
@@ -25,6 +38,7 @@ record's), then a CRC32 of everything before it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import struct
 import time
@@ -41,18 +55,26 @@ from .record import FLAG_THINNED, RECORD_SUFFIX
 
 __all__ = [
     "RACY_NS",
+    "SEAL_NAME",
     "SNAPSHOT_NAME",
     "Columns",
     "Entry",
     "Fact",
     "Snapshot",
     "collect_facts",
+    "consume_seal",
     "read_snapshot",
     "save_snapshot",
+    "write_seal",
     "write_snapshot",
 ]
 
+log = logging.getLogger("phalanx.cache")
+
 SNAPSHOT_NAME = "phalanx-index.snap"
+SEAL_NAME = "phalanx-index.seal"
+_SEAL = struct.Struct("<8sqI")
+_SEAL_MAGIC = b"PHXSEAL1"
 SNAPSHOT_VERSION = 1
 MAGIC = b"PHXIXSNP"
 # Entries whose file mtime is within this of the snapshot's start are re-read: kernel
@@ -126,10 +148,12 @@ class Columns:
 class Snapshot:
     """A decoded snapshot: facts by row, and each row's file identity."""
 
-    __slots__ = ("columns", "ctimes", "cutoff_ns", "inos", "mtimes", "names", "rows")
+    __slots__ = ("columns", "ctimes", "cutoff_ns", "inos", "mtimes", "names", "rows",
+                 "taken_ns")
 
     def __init__(self, columns: Columns, names: list[str], rows: dict[str, int],
-                 mtimes: list[int], ctimes: list[int], inos: list[int], cutoff_ns: int) -> None:
+                 mtimes: list[int], ctimes: list[int], inos: list[int], cutoff_ns: int,
+                 taken_ns: int) -> None:
         self.columns = columns
         self.names = names  # file name by row
         self.rows = rows  # file name -> row
@@ -137,6 +161,7 @@ class Snapshot:
         self.ctimes = ctimes
         self.inos = inos
         self.cutoff_ns = cutoff_ns  # trust only files with mtime_ns below this
+        self.taken_ns = taken_ns  # names the snapshot in its seal
 
     def __len__(self) -> int:
         return len(self.columns)
@@ -159,9 +184,13 @@ def write_snapshot(directory: str, geometry: Geometry, fingerprint: bytes, taken
     head = _HEAD.pack(MAGIC, SNAPSHOT_VERSION, n, len(extra), taken_ns, fingerprint,
                       geometry_digest(geometry)).ljust(_HEAD_SIZE, b"\0")
     body = b"".join((head, arr.tobytes(), *extra))
-    data = body + _CRC.pack(zlib.crc32(body))
-    path = os.path.join(directory, SNAPSHOT_NAME)
-    tmp = os.path.join(directory, f".{SNAPSHOT_NAME}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    _write_private(directory, SNAPSHOT_NAME, body + _CRC.pack(zlib.crc32(body)), fsync)
+
+
+def _write_private(directory: str, name: str, data: bytes, fsync: bool) -> None:
+    """``data`` as ``directory/name``, 0600, through a temp file renamed into place."""
+    path = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         try:
@@ -179,6 +208,35 @@ def write_snapshot(directory: str, geometry: Geometry, fingerprint: bytes, taken
         except OSError:
             pass
         raise
+
+
+def write_seal(directory: str, taken_ns: int, fsync: bool) -> None:
+    """Vouch for the snapshot taken at ``taken_ns`` (see the module doc). Raises OSError."""
+    body = _SEAL.pack(_SEAL_MAGIC, taken_ns, 0)[: -4]
+    _write_private(directory, SEAL_NAME, body + struct.pack("<I", zlib.crc32(body)), fsync)
+
+
+def consume_seal(directory: str) -> int | None:
+    """Remove the seal; the ``taken_ns`` it vouches for, or None when there was none, it
+    is not ours, or it could not be removed (then it vouches for nothing: a seal left in
+    place could outlive the changes this store is about to make)."""
+    path = os.path.join(directory, SEAL_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_SEAL.size + 1)
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("cache %s: seal %s unreadable or not removable (%s); the header snapshot "
+                    "is checked file by file", directory, path, exc)
+        return None
+    if len(data) != _SEAL.size:
+        return None
+    magic, taken_ns, crc = _SEAL.unpack(data)
+    if magic != _SEAL_MAGIC or zlib.crc32(data[:-4]) != crc:
+        return None
+    return int(taken_ns)
 
 
 def read_snapshot(directory: str, geometry: Geometry, fingerprint: bytes) -> Snapshot | None:
@@ -240,7 +298,7 @@ def _decode(data: bytes, geometry: Geometry, fingerprint: bytes) -> Snapshot | N
     if len(rows) != n:  # a name twice: not a snapshot we wrote
         return None
     return Snapshot(cols, names, rows, mt.tolist(), arr["ctime_ns"].tolist(),
-                    arr["ino"].tolist(), cutoff)
+                    arr["ino"].tolist(), cutoff, taken_ns)
 
 
 def collect_facts(index: Index) -> list[Fact]:

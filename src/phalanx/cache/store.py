@@ -15,40 +15,36 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
-
-import numpy as np
 
 from phalanx.lifecycle.failpoints import Failpoint
 
 from ._errors import (
     CapacityError,
-    NotCachedError,
-    RecordCorruptError,
     RowSpanError,
     StoreClosedError,
 )
-from .buffers import ParallelReader, as_byte_view, as_out_view
+from .buffers import ParallelReader, as_byte_view
 from .files import is_temp_name, purge_temp, quarantine, remove_record, thin_record, write_record
 from .geometry import Geometry
 from .index import Record
 from .keys import ROOT_KEY, KeyChain, Tokens, fingerprint_digest, page_keys
+from .loads import Loads
 from .lock import DirLock
 from .maintenance import Job, JobKind, JobOutcome, Scheduler
 from .manifest import check_or_create
 from .record import FLAG_THINNED, RECORD_SUFFIX, RecordHeader, page_crcs, record_name
-from .recovery import build_index_columns, no_gc, read_header, recover
-from .snapshot import collect_facts, save_snapshot
+from .recovery import build_index_columns, no_gc, recover
+from .snapshot import collect_facts, save_snapshot, write_seal
 from .stats import CacheStats
 
 __all__ = ["DiskStore", "StoreResult"]
 
 log = logging.getLogger("phalanx.cache")
 
-_FP_LOAD_PINNED = Failpoint("cache.load.pinned", "load planned, records pinned, not yet read")
+_FP_SEAL = Failpoint("cache.close.seal", "close wrote the snapshot; about to seal it")
 
 BadFilePolicy = Literal["quarantine", "delete"]
 
@@ -67,7 +63,7 @@ class StoreResult:
     bytes_written: int
 
 
-class DiskStore:
+class DiskStore(Loads):
     """Persistent prefix-cache records of one rank in ``directory``.
 
     ``capacity_bytes`` bounds the bytes of record files (headers included);
@@ -128,8 +124,10 @@ class DiskStore:
                                  skipped=result.skipped())
         ix = self._index
         # index.changes when the on-disk snapshot last matched the index (-1: it does not)
-        clean = result.from_snapshot == len(result.columns) and result.snapshot == "used"
+        clean = (result.from_snapshot == len(result.columns)
+                 and result.snapshot in ("used", "sealed"))
         self._snapshot_changes = ix.changes if clean else -1
+        self._snapshot_taken = result.snapshot_taken_ns if clean else None
         log.info(
             "cache %s: recovered %d records (%d bytes, %d orphans, %d thinnable) in %.2fs "
             "(%d from the %s snapshot); %d temp files, skipped %s", self.directory,
@@ -140,10 +138,11 @@ class DiskStore:
 
     # -- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
-        """Write the header snapshot if the index changed, release the directory lock.
+        """Write the header snapshot if the index changed, seal it, release the directory
+        lock.
 
-        Idempotent; loads already reading finish. A snapshot that cannot be written is
-        logged and skipped: the next open reads those headers instead.
+        Idempotent; loads already reading finish. A snapshot or seal that cannot be
+        written is logged and skipped: the next open checks or reads those headers.
         """
         with self._mutex:
             if self._state is _State.CLOSED:
@@ -152,6 +151,8 @@ class DiskStore:
             try:
                 if self._index.changes != self._snapshot_changes:
                     self._save_snapshot_locked()
+                if self._index.changes == self._snapshot_changes:
+                    self._seal_locked()
             finally:
                 self._lock.release()
                 self._reader.close()
@@ -169,6 +170,7 @@ class DiskStore:
                           self.fsync)
         with self._mutex:
             self._snapshot_changes = changes
+            self._snapshot_taken = taken
         return n
 
     def _save_snapshot_locked(self) -> None:
@@ -181,6 +183,17 @@ class DiskStore:
                         "every header", self.directory, exc)
             return
         self._snapshot_changes = self._index.changes
+        self._snapshot_taken = taken
+
+    def _seal_locked(self) -> None:
+        if self._snapshot_taken is None:
+            return
+        try:
+            _FP_SEAL.hit()
+            write_seal(self.directory, self._snapshot_taken, self.fsync)
+        except OSError as exc:
+            log.warning("cache %s: snapshot seal not written (%s); the next open checks "
+                        "every file against the snapshot", self.directory, exc)
 
     def __enter__(self) -> DiskStore:
         return self
@@ -286,90 +299,6 @@ class DiskStore:
             else:
                 self._stats.misses += 1
             return n
-
-    def load(self, tokens: Tokens | KeyChain, n_pages: int, out: Any = None) -> memoryview:
-        """The KV bytes of the first ``n_pages`` pages, as a flat byte memoryview.
-
-        ``numpy.frombuffer(view, dtype)`` and ``torch.frombuffer`` wrap it without a
-        copy. Pass ``out`` (a writable buffer of n_pages * page_bytes) to read into
-        memory you own (pinned, preallocated). Raises NotCachedError or
-        RecordCorruptError (that record is never served again).
-        """
-        pb = self.geometry.page_bytes
-        keys = self._keys(tokens, limit=n_pages)
-        # np.empty, not bytearray(n): bytearray zero-fills, an extra pass over the row
-        dst = (np.empty(n_pages * pb, dtype=np.uint8).data if out is None
-               else as_out_view(out, n_pages * pb))
-        with self._mutex:
-            self._check_open()
-            cached = self._index.cached_pages(keys)
-            if n_pages <= 0 or cached < n_pages:
-                raise NotCachedError(
-                    f"load of {n_pages} pages from {self.directory}: only {cached} cached; "
-                    "call lookup() first and load at most what it returns"
-                )
-            pieces = self._index.plan(keys, n_pages)
-            for rec, _, _ in pieces:
-                rec.pins += 1  # maintenance defers jobs on pinned records
-                self._index.touch(rec)
-        try:
-            _FP_LOAD_PINNED.hit()
-            for rec, first, stop in pieces:
-                self._read_piece(rec, first, stop, dst[first * pb : stop * pb])
-        finally:
-            with self._mutex:
-                for rec, _, _ in pieces:
-                    rec.pins -= 1
-        with self._mutex:
-            self._stats.loads += 1
-            self._stats.loaded_bytes += dst.nbytes
-        return dst
-
-    def _read_piece(self, rec: Record, first: int, stop: int, dst: memoryview) -> None:
-        pb = self.geometry.page_bytes
-        path = os.path.join(self.directory, record_name(rec.key))
-        header_len = rec.file_len - rec.row_len
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                # one preadv straight into dst (split across threads when large)
-                self._reader.read(fd, dst, header_len + (first - rec.start) * pb)
-                crcs = None
-                if not rec.verified:
-                    h = read_header(path)
-                    if (h.key, h.start_page, h.end_page, h.row_len, h.thinned) != (
-                        rec.key, rec.start, rec.end, rec.row_len, rec.thinned
-                    ):
-                        raise ValueError("its header does not match the index")
-                    crcs = h.crcs
-            finally:
-                os.close(fd)
-        except (OSError, ValueError) as exc:
-            self._corrupt(rec, f"unreadable: {exc}")
-            raise RecordCorruptError(
-                f"record {rec.key.hex()} in {self.directory} could not be read ({exc}); it is "
-                "dropped from the index; the prefix will be recomputed"
-            ) from exc
-        if crcs is not None:
-            for i in range(stop - first):
-                if zlib.crc32(dst[i * pb : (i + 1) * pb]) != crcs[first - rec.start + i]:
-                    self._corrupt(rec, f"page {first + i} checksum mismatch")
-                    raise RecordCorruptError(
-                        f"record {rec.key.hex()} in {self.directory}: page {first + i} failed "
-                        "its checksum (torn write or bit rot); it is moved aside and never "
-                        "served; the prefix will be recomputed"
-                    )
-            if first == rec.start and stop == rec.end:
-                rec.verified = True  # every page checked once; the page cache holds them
-
-    def _corrupt(self, rec: Record, why: str) -> None:
-        log.warning("cache %s: record %s is corrupt (%s)", self.directory, rec.key.hex(), why)
-        with self._mutex:
-            self._stats.corrupt_loads += 1
-            if self._index.records.get(rec.key) is rec and not rec.thinned:
-                self._index.remove(rec)
-            if self._index.forget_orphan(rec.key) is not None:
-                self._scheduler.bad[record_name(rec.key)] = None
 
     # -- maintenance -----------------------------------------------------------------
     def poll(self, max_jobs: int | None = None) -> int:

@@ -1,9 +1,11 @@
 """``phalanx bench cache-disk``: the disk store beside a plain-file baseline and LMCache.
 
 Per row size (256 KiB, 4 MiB, 32 MiB by default), in the same run: DiskStore store and
-load, a plain-Python baseline writing the same bytes as one file per row (open, write,
-rename; same fsync policy) and reading them back (open, readinto), and LMCache's
-``fs_native`` disk path (its best) through a driver run by the LMCache venv's python.
+load (``load_many`` of the whole batch, as LMCache gets one load task for its batch; and
+``load`` row after row, ``load_each_gbps``), a plain-Python baseline writing the same
+bytes as one file per row (open, write, rename; same fsync policy) and reading them
+back (open, readinto), and LMCache's ``fs_native`` disk path (its best) through a
+driver run by the LMCache venv's python.
 Loads on every side read into a destination pool allocated and touched once per row
 size and reused by every rep (what an engine's KV pool is; LMCache's driver does the
 same), so no side pays page faults on fresh memory. Buffered I/O; the page cache is
@@ -74,7 +76,7 @@ print(t)
 
 
 def _phalanx_case(root: Path, rows: list[memoryview], fsync: bool,
-                  dst: list[memoryview]) -> tuple[float, float]:
+                  dst: list[memoryview]) -> tuple[float, float, float]:
     g = BENCH_GEOMETRY
     pages = rows[0].nbytes // g.page_bytes
     toks = [np.arange(i * pages * 64, (i + 1) * pages * 64) for i in range(len(rows))]
@@ -89,19 +91,25 @@ def _phalanx_case(root: Path, rows: list[memoryview], fsync: bool,
         # a server hashes a request's pages once (lookup) and loads by that key chain
         chains = [store.chain(t) for t in toks]
 
-        def get() -> None:
+        def get_batch() -> None:  # one call for the batch, as LMCache's load task
+            store.load_many([(c, pages, d) for c, d in zip(chains, dst, strict=True)])
+
+        def get_each() -> None:  # one call per row, one after another
             for c, d in zip(chains, dst, strict=True):
                 store.load(c, pages, out=d)
 
         _clear(dst)
         t_store = _timed(put)
-        t_load = _timed(get)
+        t_load = _timed(get_batch)  # first: the loads that verify page CRCs
+        _check(rows, dst, "phalanx")
+        _clear(dst)
+        t_each = _timed(get_each)
         _check(rows, dst, "phalanx")
         if bytes(store.load(toks[-1], pages)) != bytes(rows[-1]):
             raise AssertionError("phalanx load returned different bytes")
     finally:
         store.close()
-    return t_store, t_load
+    return t_store, t_load, t_each
 
 
 def _clear(dst: list[memoryview]) -> None:
@@ -228,8 +236,9 @@ def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib
             total = n * b
             row: dict[str, Any] = {
                 "row_bytes": b,
-                "store_gbps": total / median([s for s, _ in ph]) / 1e9,
-                "load_gbps": total / median([ld for _, ld in ph]) / 1e9,
+                "store_gbps": total / median([s for s, _, _ in ph]) / 1e9,
+                "load_gbps": total / median([ld for _, ld, _ in ph]) / 1e9,
+                "load_each_gbps": total / median([e for _, _, e in ph]) / 1e9,
                 "baseline_store_gbps": total / median([s for s, _ in base]) / 1e9,
                 "baseline_load_gbps": total / median([ld for _, ld in base]) / 1e9,
                 "lmcache_store_gbps": lmc.get(b, {}).get("store_gbps"),
@@ -237,7 +246,7 @@ def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib
             }
             if fsync_total_mib:
                 nf = max(1, (fsync_total_mib << 20) // b)
-                s_ph, _ = _phalanx_case(work / f"pf{b}", rows_v[:nf], True, dst[:nf])
+                s_ph, _, _ = _phalanx_case(work / f"pf{b}", rows_v[:nf], True, dst[:nf])
                 s_b, _ = _baseline_case(work / f"bf{b}", rows_v[:nf], True, dst[:nf])
                 row["fsync_store_gbps"] = nf * b / s_ph / 1e9
                 row["fsync_baseline_store_gbps"] = nf * b / s_b / 1e9

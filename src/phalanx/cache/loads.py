@@ -1,0 +1,186 @@
+"""The read side of ``DiskStore``: ``load`` one prefix, ``load_many`` a batch of them.
+
+A load plans its pieces (record, first page, stop page) under the store's mutex, pins
+those records so maintenance defers jobs on them, reads outside the mutex, and checks
+a record's header and page CRCs the first time it is read (``Record.verified``).
+A record that fails is dropped from the index and counted: it is never served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from phalanx.lifecycle.failpoints import Failpoint
+
+from ._errors import NotCachedError, RecordCorruptError
+from .buffers import ParallelReader, as_out_view, pread_full
+from .geometry import Geometry
+from .index import Index, Record
+from .keys import KeyChain, Tokens
+from .maintenance import Scheduler
+from .record import record_name
+from .recovery import read_header
+from .stats import CacheStats
+
+__all__ = ["LoadRequest", "Loads"]
+
+log = logging.getLogger("phalanx.cache")
+
+_FP_LOAD_PINNED = Failpoint("cache.load.pinned", "load planned, records pinned, not yet read")
+
+# (tokens or key chain, pages) or (tokens or key chain, pages, out buffer)
+LoadRequest = tuple[Tokens | KeyChain, int] | tuple[Tokens | KeyChain, int, Any]
+_Piece = tuple[Record, int, int]
+
+
+class Loads:
+    """Mixed into DiskStore: the attributes below are the store's."""
+
+    directory: str
+    geometry: Geometry
+    _mutex: threading.RLock
+    _index: Index
+    _scheduler: Scheduler
+    _stats: CacheStats
+    _reader: ParallelReader
+
+    def _check_open(self) -> None:
+        raise NotImplementedError  # the store's
+
+    def _keys(self, tokens: Tokens | KeyChain, limit: int | None = None) -> list[bytes]:
+        raise NotImplementedError  # the store's
+
+    def load(self, tokens: Tokens | KeyChain, n_pages: int, out: Any = None) -> memoryview:
+        """The KV bytes of the first ``n_pages`` pages, as a flat byte memoryview.
+
+        ``numpy.frombuffer(view, dtype)`` and ``torch.frombuffer`` wrap it without a
+        copy. Pass ``out`` (a writable buffer of n_pages * page_bytes) to read into
+        memory you own (pinned, preallocated). Raises NotCachedError or
+        RecordCorruptError (that record is never served again). A large row is read in
+        parallel parts (``load_threads``).
+        """
+        dst, pieces = self._plan([(tokens, n_pages, out)])[0]
+        pb = self.geometry.page_bytes
+        try:
+            _FP_LOAD_PINNED.hit()
+            for rec, first, stop in pieces:
+                self._read_piece(rec, first, stop, dst[first * pb : stop * pb], split=True)
+        finally:
+            self._unpin([(dst, pieces)])
+        return dst
+
+    def load_many(self, requests: Sequence[LoadRequest]) -> list[memoryview]:
+        """``load`` of a batch of prefixes (a server's batch of requests), their pieces
+        read at once on the store's reader threads and the caller's (``load_threads``
+        in all). Each request is ``(tokens, n_pages)`` or ``(tokens, n_pages, out)``;
+        returns the views in request order. All or nothing: NotCachedError before
+        anything is read; RecordCorruptError after every other read finished (the bad
+        record is dropped: a retry after ``lookup`` loads the rest)."""
+        planned = self._plan(requests)
+        pb = self.geometry.page_bytes
+        tasks: list[Callable[[], None]] = []
+        for dst, pieces in planned:
+            for rec, first, stop in pieces:
+                view = dst[first * pb : stop * pb]
+                tasks.append(lambda r=rec, f=first, s=stop, v=view:  # type: ignore[misc]
+                             self._read_piece(r, f, s, v, split=False))
+        try:
+            _FP_LOAD_PINNED.hit()
+            self._reader.run_all(tasks)
+        finally:
+            self._unpin(planned)
+        return [dst for dst, _ in planned]
+
+    def _plan(self, requests: Sequence[LoadRequest]) -> list[tuple[memoryview, list[_Piece]]]:
+        pb = self.geometry.page_bytes
+        wanted = []
+        for req in requests:
+            tokens, n_pages = req[0], req[1]
+            out = req[2] if len(req) > 2 else None
+            keys = self._keys(tokens, limit=n_pages)
+            # np.empty, not bytearray(n): bytearray zero-fills, an extra pass over the row
+            dst = (np.empty(n_pages * pb, dtype=np.uint8).data if out is None
+                   else as_out_view(out, n_pages * pb))
+            wanted.append((keys, n_pages, dst))
+        planned = []
+        with self._mutex:
+            self._check_open()
+            for keys, n_pages, _ in wanted:
+                cached = self._index.cached_pages(keys)
+                if n_pages <= 0 or cached < n_pages:
+                    raise NotCachedError(
+                        f"load of {n_pages} pages from {self.directory}: only {cached} "
+                        "cached; call lookup() first and load at most what it returns")
+            for keys, n_pages, dst in wanted:
+                pieces = self._index.plan(keys, n_pages)
+                for rec, _, _ in pieces:
+                    rec.pins += 1  # maintenance defers jobs on pinned records
+                    self._index.touch(rec)
+                planned.append((dst, pieces))
+        return planned
+
+    def _unpin(self, planned: list[tuple[memoryview, list[_Piece]]]) -> None:
+        with self._mutex:
+            for dst, pieces in planned:
+                for rec, _, _ in pieces:
+                    rec.pins -= 1
+                self._stats.loads += 1
+                self._stats.loaded_bytes += dst.nbytes
+
+    def _read_piece(self, rec: Record, first: int, stop: int, dst: memoryview,
+                    split: bool) -> None:
+        pb = self.geometry.page_bytes
+        path = os.path.join(self.directory, record_name(rec.key))
+        header_len = rec.file_len - rec.row_len
+        offset = header_len + (first - rec.start) * pb
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                # one preadv straight into dst (split across threads when large)
+                if split:
+                    self._reader.read(fd, dst, offset)
+                else:
+                    pread_full(fd, dst, offset)
+                crcs = None
+                if not rec.verified:
+                    h = read_header(path)
+                    if (h.key, h.start_page, h.end_page, h.row_len, h.thinned) != (
+                        rec.key, rec.start, rec.end, rec.row_len, rec.thinned
+                    ):
+                        raise ValueError("its header does not match the index")
+                    crcs = h.crcs
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as exc:
+            self._corrupt(rec, f"unreadable: {exc}")
+            raise RecordCorruptError(
+                f"record {rec.key.hex()} in {self.directory} could not be read ({exc}); it is "
+                "dropped from the index; the prefix will be recomputed"
+            ) from exc
+        if crcs is not None:
+            for i in range(stop - first):
+                if zlib.crc32(dst[i * pb : (i + 1) * pb]) != crcs[first - rec.start + i]:
+                    self._corrupt(rec, f"page {first + i} checksum mismatch")
+                    raise RecordCorruptError(
+                        f"record {rec.key.hex()} in {self.directory}: page {first + i} failed "
+                        "its checksum (torn write or bit rot); it is moved aside and never "
+                        "served; the prefix will be recomputed"
+                    )
+            if first == rec.start and stop == rec.end:
+                rec.verified = True  # every page checked once; the page cache holds them
+
+    def _corrupt(self, rec: Record, why: str) -> None:
+        log.warning("cache %s: record %s is corrupt (%s)", self.directory, rec.key.hex(), why)
+        with self._mutex:
+            self._stats.corrupt_loads += 1
+            if self._index.records.get(rec.key) is rec and not rec.thinned:
+                self._index.remove(rec)
+            if self._index.forget_orphan(rec.key) is not None:
+                self._scheduler.bad[record_name(rec.key)] = None
