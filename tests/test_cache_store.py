@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +11,17 @@ import pytest
 
 import phalanx.cache
 from cache_util import FP, GEOM, PB, Clock, Stores, build_tree, page_row, record_files, stores
-from phalanx.cache import NotCachedError, RecordCorruptError, RowSpanError
+from phalanx.cache import (
+    NotCachedError,
+    RecordCorruptError,
+    RowSpanError,
+    fingerprint_digest,
+    page_keys,
+)
+from phalanx.cache.files import write_record
+from phalanx.cache.keys import ROOT_KEY
+from phalanx.cache.record import RecordHeader
+from phalanx.cache.snapshot import SEAL_NAME
 
 __all__ = ["stores"]  # the fixture, imported for pytest
 
@@ -169,3 +181,32 @@ def test_fingerprint_changes_every_key(tmp_path: Path, stores: Stores) -> None:
     b = stores.open(tmp_path / "b", fingerprint=FP + "-other")
     toks = np.arange(PT)
     assert a.store(toks, page_row(toks)).key != b.store(toks, page_row(toks)).key
+
+
+def test_records_of_the_previous_format_are_still_served(tmp_path: Path, stores: Stores) -> None:
+    """Format 1 (zlib.crc32 page checksums) is read beside format 2 (XXH3): an upgrade
+    keeps the cache; a damaged format-1 page is still caught by its load."""
+    s = stores.open(tmp_path)
+    toks = np.arange(4 * PT)
+    s.store(toks, page_row(toks))  # format 2
+    s.close()
+    old = np.arange(3 * PT) + 5000
+    keys = page_keys(old, PT, fingerprint_digest(FP))
+    row = memoryview(page_row(old))
+    header = RecordHeader(GEOM, fingerprint_digest(FP), keys[-1], ROOT_KEY, 0, 3, len(row),
+                          time.time(), keys, [zlib.crc32(row[i * PB:(i + 1) * PB])
+                                              for i in range(3)], version=1)
+    write_record(str(tmp_path), header, row, fsync=False)
+    s = stores.open(tmp_path)
+    assert s.lookup(old) == 3 and s.lookup(toks) == 4
+    assert bytes(s.load(old, 3)) == bytes(row) and bytes(s.load(toks, 4)) == page_row(toks)
+    assert s.check() == []
+    s.close()
+    path = tmp_path / f"{keys[-1].hex()}.kv"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(raw)
+    (tmp_path / SEAL_NAME).unlink(missing_ok=True)
+    s = stores.open(tmp_path)
+    with pytest.raises(RecordCorruptError):
+        s.load(old, 3)

@@ -7,12 +7,11 @@ store (a record committed or removed meanwhile may show up as skipped "unreadabl
 from __future__ import annotations
 
 import os
-import zlib
 from dataclasses import dataclass, field
 
 from .index import Index
 from .manifest import read_manifest
-from .record import RecordHeader, record_name
+from .record import RecordHeader, page_digest, record_name
 from .recovery import build_index, scan
 
 __all__ = ["InspectReport", "VerifyReport", "inspect_directory", "verify_directory"]
@@ -95,8 +94,9 @@ def verify_directory(directory: str) -> VerifyReport:
         except OSError as exc:
             rep.corrupt.append((name, f"unreadable: {exc.strerror}"))
             continue
+        digest = page_digest(h.version)
         for i, want in enumerate(h.crcs):
-            if zlib.crc32(row[i * pb : (i + 1) * pb]) != want:
+            if digest(row[i * pb : (i + 1) * pb]) != want:
                 rep.corrupt.append((name, f"page {h.start_page + i} checksum"))
                 break
     return rep

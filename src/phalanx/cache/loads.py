@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ from .geometry import Geometry
 from .index import Index, Record
 from .keys import KeyChain, Tokens
 from .maintenance import Scheduler
-from .record import record_name
+from .record import RECORD_VERSION, page_digest, record_name
 from .recovery import read_header
 from .stats import CacheStats
 
@@ -149,13 +148,14 @@ class Loads:
                 else:
                     pread_full(fd, dst, offset)
                 crcs = None
+                digest = page_digest(RECORD_VERSION)
                 if not rec.verified:
                     h = read_header(path)
                     if (h.key, h.start_page, h.end_page, h.row_len, h.thinned) != (
                         rec.key, rec.start, rec.end, rec.row_len, rec.thinned
                     ):
                         raise ValueError("its header does not match the index")
-                    crcs = h.crcs
+                    crcs, digest = h.crcs, page_digest(h.version)
             finally:
                 os.close(fd)
         except (OSError, ValueError) as exc:
@@ -166,7 +166,7 @@ class Loads:
             ) from exc
         if crcs is not None:
             for i in range(stop - first):
-                if zlib.crc32(dst[i * pb : (i + 1) * pb]) != crcs[first - rec.start + i]:
+                if digest(dst[i * pb : (i + 1) * pb]) != crcs[first - rec.start + i]:
                     self._corrupt(rec, f"page {first + i} checksum mismatch")
                     raise RecordCorruptError(
                         f"record {rec.key.hex()} in {self.directory}: page {first + i} failed "

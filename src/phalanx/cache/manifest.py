@@ -12,7 +12,7 @@ import msgspec
 
 from ._errors import ForeignStoreError, GeometryMismatchError
 from .geometry import Geometry
-from .record import RECORD_VERSION
+from .record import READABLE_VERSIONS, RECORD_VERSION
 
 __all__ = ["MANIFEST_NAME", "Manifest", "check_or_create", "read_manifest"]
 
@@ -52,10 +52,13 @@ def check_or_create(directory: str, geometry: Geometry, fingerprint: bytes) -> N
             os.close(fd)
         os.rename(tmp, path)
         return
-    if have.version != want.version or have.geometry != want.geometry:
+    # the manifest names the format the directory was made with; records of every
+    # readable format are served, and new ones are written in the current format
+    if have.version not in READABLE_VERSIONS or have.geometry != want.geometry:
         raise GeometryMismatchError(
             f"cache directory {directory} holds format v{have.version} rows of "
-            f"{have.geometry}, this store writes v{want.version} rows of {geometry}; "
+            f"{have.geometry}, this store reads formats {list(READABLE_VERSIONS)} of "
+            f"{geometry}; "
             "use another directory, or delete this one to start afresh"
         )
     if have.fingerprint != want.fingerprint:

@@ -4,15 +4,16 @@ Per row size (256 KiB, 4 MiB, 32 MiB by default), in the same run: DiskStore sto
 load (``load_many`` of the whole batch, as LMCache gets one load task for its batch; and
 ``load`` row after row, ``load_each_gbps``), a plain-Python baseline writing the same
 bytes as one file per row (open, write, rename; same fsync policy) and reading them
-back (open, readinto), and LMCache's ``fs_native`` disk path (its best) through a
-driver run by the LMCache venv's python.
+back (open, readinto), and LMCache's ``fs_native`` disk path (its best; four C++ I/O
+workers) through a driver run by the LMCache venv's python, one process per rep. Reps
+alternate the three sides, so the drift of a shared VM hits all of them alike.
 Loads on every side read into a destination pool allocated and touched once per row
 size and reused by every rep (what an engine's KV pool is; LMCache's driver does the
 same), so no side pays page faults on fresh memory. Buffered I/O; the page cache is
 not dropped; os.sync() runs untimed before each timed phase; medians of --reps.
-Then recovery: opening a directory of --recovery-records records (it holds the header
-snapshot its writer left at close) against a bare ``os.scandir`` + ``stat`` of it, and
-the same open with the snapshot removed (every header read).
+Then recovery: opening a directory of --recovery-records records (it holds the sealed
+header snapshot its writer left at close) against a bare ``os.scandir`` + ``stat`` of
+it, and the same open with the snapshot removed (every header read).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 
 from phalanx.cache import DiskStore, Geometry
 from phalanx.cache.keys import KeyChain
-from phalanx.cache.snapshot import SNAPSHOT_NAME
+from phalanx.cache.snapshot import SEAL_NAME, SNAPSHOT_NAME
 
 from ._stats import emit, median
 
@@ -150,21 +151,20 @@ def _baseline_case(root: Path, rows: list[memoryview], fsync: bool,
     return t_put, t_get
 
 
-def _lmcache(python: str, work: Path, cases: list[tuple[int, int]], reps: int) -> dict[int, Any]:
+def _lmcache_case(python: str, work: Path, row_bytes: int, n: int) -> dict[str, float] | None:
+    """One rep of LMCache fs_native for one row size: {"store_gbps", "load_gbps"}, or
+    None when the LMCache venv is absent or the driver failed (said on stderr)."""
     if not os.path.exists(python):
-        click.echo(f"lmcache: skipped, no LMCache venv at {python} (run "
-                   "/work/shared/anchors/lmcache/setup.sh or pass --lmcache-python)", err=True)
-        return {}
-    spec = ",".join(f"{b}x{n}" for b, n in cases)
+        return None
     env = dict(os.environ, LMCACHE_LOG_LEVEL="ERROR")
-    out = subprocess.run([python, str(DRIVER), "--dir", str(work / "lmcache"), "--cases", spec,
-                          "--reps", str(reps)], capture_output=True, text=True, env=env,
-                         timeout=900)
+    out = subprocess.run([python, str(DRIVER), "--dir", str(work / "lmcache"), "--cases",
+                          f"{row_bytes}x{n}", "--reps", "1"], capture_output=True, text=True,
+                         env=env, timeout=900)
     if out.returncode:
         click.echo(f"lmcache: driver failed ({out.returncode}): {out.stderr[-2000:]}", err=True)
-        return {}
-    rows = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
-    return {r["row_bytes"]: r for r in rows}
+        return None
+    row: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])["rows"][0]
+    return row
 
 
 def _recovery(work: Path, n: int, reps: int) -> dict[str, float]:
@@ -189,6 +189,8 @@ def _recovery(work: Path, n: int, reps: int) -> dict[str, float]:
         """Time one step in a new process: what a restarting server pays."""
         if mode == "cold":
             snap.unlink()
+        if mode == "unsealed":  # as after a crash: the snapshot is checked file by file
+            (d / SEAL_NAME).unlink()
         os.sync()
         out = subprocess.run([sys.executable, "-c", _RESTART, str(d), mode, str(n)],
                              capture_output=True, text=True, timeout=600, check=True)
@@ -196,9 +198,11 @@ def _recovery(work: Path, n: int, reps: int) -> dict[str, float]:
 
     t_bare = median([fresh("bare") for _ in range(reps)])
     t_open = median([fresh("open") for _ in range(reps)])
+    t_unsealed = median([fresh("unsealed") for _ in range(reps)])
     t_cold = median([fresh("cold") for _ in range(reps)])
     return {"records": n, "seconds": t_open, "bare_scan_seconds": t_bare,
-            "no_snapshot_seconds": t_cold, "close_with_snapshot_seconds": t_close}
+            "unsealed_snapshot_seconds": t_unsealed, "no_snapshot_seconds": t_cold,
+            "close_with_snapshot_seconds": t_close}
 
 
 @click.command("cache-disk")
@@ -220,17 +224,23 @@ def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib
     try:
         sizes = [int(x) for x in rows.split(",")]
         cases = [(b, max(1, (total_mib << 20) // b)) for b in sizes]
-        lmc = _lmcache(lmcache_python, work, cases, reps)
+        if not os.path.exists(lmcache_python):
+            click.echo(f"lmcache: skipped, no LMCache venv at {lmcache_python} (run "
+                       "/work/shared/anchors/lmcache/setup.sh or pass --lmcache-python)",
+                       err=True)
         out_rows = []
         for b, n in cases:
             data = np.random.default_rng(b).integers(0, 255, n * b, dtype=np.uint8)
             rows_v = [data.data[i * b : (i + 1) * b] for i in range(n)]
             pool = np.ones(n * b, dtype=np.uint8)  # touched once, reused by every rep
             dst = [pool.data[i * b : (i + 1) * b] for i in range(n)]
-            ph, base = [], []
-            for r in range(reps):  # alternate sides so drift hits both
+            ph, base, lmc = [], [], []
+            for r in range(reps):  # alternate sides so drift hits all three
                 ph.append(_phalanx_case(work / f"p{b}_{r}", rows_v, False, dst))
                 base.append(_baseline_case(work / f"b{b}_{r}", rows_v, False, dst))
+                one = _lmcache_case(lmcache_python, work, b, n)
+                if one is not None:
+                    lmc.append(one)
                 shutil.rmtree(work / f"p{b}_{r}")
                 shutil.rmtree(work / f"b{b}_{r}")
             total = n * b
@@ -241,8 +251,8 @@ def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib
                 "load_each_gbps": total / median([e for _, _, e in ph]) / 1e9,
                 "baseline_store_gbps": total / median([s for s, _ in base]) / 1e9,
                 "baseline_load_gbps": total / median([ld for _, ld in base]) / 1e9,
-                "lmcache_store_gbps": lmc.get(b, {}).get("store_gbps"),
-                "lmcache_load_gbps": lmc.get(b, {}).get("load_gbps"),
+                "lmcache_store_gbps": median([x["store_gbps"] for x in lmc]) if lmc else None,
+                "lmcache_load_gbps": median([x["load_gbps"] for x in lmc]) if lmc else None,
             }
             if fsync_total_mib:
                 nf = max(1, (fsync_total_mib << 20) // b)
