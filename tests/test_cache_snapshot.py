@@ -23,8 +23,8 @@ import numpy as np
 from cache_util import FP, GEOM, Built, Clock, Stores, build_tree, page_row, record_files, stores
 from phalanx.cache import DiskStore, RecordCorruptError, fingerprint_digest
 from phalanx.cache.index import Index
-from phalanx.cache.recovery import build_index, recover, scan
 from phalanx.cache.record import record_name
+from phalanx.cache.recovery import build_index, recover, scan
 from phalanx.cache.snapshot import SEAL_NAME, SNAPSHOT_NAME, read_snapshot
 from phalanx.lifecycle.failpoints import arm, disarm
 

@@ -23,11 +23,11 @@ from phalanx.rendezvous import (
     StoreBackend,
     TokenMismatchError,
     UnsafeRuntimeDirError,
+    current,
     handshake,
     live_markers,
     sweep,
 )
-from phalanx.rendezvous import current
 from phalanx.rendezvous.generation import OWNER_FILE
 
 BACKENDS = ["hub", "marker", "store"]

@@ -6,7 +6,7 @@ round trip per job); a job counts once every peer acked it.
 
 small: EXPIRE jobs of tiny records (maintenance lane, ``Leader.maintain``): the cheapest
 real job, one unlink per rank, so the figure is the link's and the lane's cost. Its raw
-baseline carries frames of the size of one such job's frame.
+baseline carries frames of the size of one such job's frame, to an echo process.
 store_1mib: stores of 1 MiB rows (4 pages of 256 KiB) on every rank (request lane,
 pipelined up to the window); each rank writes 1 MiB from its own staging buffer
 (``StagedSource``), only keys cross the link; the raw baseline carries 1 MiB frames,
@@ -18,11 +18,11 @@ directory; peak RSS of rank 0 during the burst (VmHWM reset before it).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import resource
 import socket
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -44,38 +44,53 @@ BIG = Geometry(layers=8, kv_heads=8, head_dim=64, dtype="float16", page_tokens=1
 ROW_PAGES = (1 << 20) // BIG.page_bytes  # 4 pages: 1 MiB rows
 
 
-def _raw(frame: int, window: int, n: int) -> float:
-    """Request/response over loopback TCP with ``window`` requests in flight: jobs/s."""
+def _echo(port: Any, frame: int, n: int) -> None:
+    """The raw baseline's peer, in its own process as a rank is: one byte back per
+    ``frame`` bytes received."""
     srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
+    port.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    with conn, srv:
+        got = 0
+        while got < n * frame:
+            chunk = conn.recv(1 << 20)
+            if not chunk:
+                return
+            before = got // frame
+            got += len(chunk)
+            if got // frame > before:
+                conn.sendall(b"a" * (got // frame - before))
 
-    def echo() -> None:
-        conn, _ = srv.accept()
-        with conn:
-            got = 0
-            while got < n * frame:
-                chunk = conn.recv(1 << 20)
-                if not chunk:
-                    return
-                before = got // frame
-                got += len(chunk)
-                if got // frame > before:
-                    conn.sendall(b"a" * (got // frame - before))
 
-    t = threading.Thread(target=echo)
-    t.start()
-    payload = b"x" * frame
-    with socket.create_connection(("127.0.0.1", port)) as c:
-        t0 = time.perf_counter()
-        sent = acked = 0
-        while acked < n:
-            while sent < n and sent - acked < window:
-                c.sendall(payload)
-                sent += 1
-            acked += len(c.recv(65536))
-        secs = time.perf_counter() - t0
-    t.join(10)
-    srv.close()
+def _raw(frame: int, window: int, n: int) -> float:
+    """Request/response over loopback TCP with ``window`` requests in flight: jobs/s.
+
+    The echo runs in a separate process, like a peer rank: an echo thread in this
+    process would share its GIL, and the baseline then swung 80,000-400,000 jobs/s
+    with how the two threads happened to hand the GIL over."""
+    ctx = multiprocessing.get_context("spawn")  # this process has threads: no fork
+    port_q = ctx.Queue()
+    peer = ctx.Process(target=_echo, args=(port_q, frame, n), daemon=True)
+    peer.start()
+    try:
+        port = port_q.get(timeout=60)
+        payload = b"x" * frame
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            t0 = time.perf_counter()
+            sent = acked = 0
+            while acked < n:
+                while sent < n and sent - acked < window:
+                    c.sendall(payload)
+                    sent += 1
+                acked += len(c.recv(65536))
+            secs = time.perf_counter() - t0
+    finally:
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+            peer.join()
+        port_q.close()
+        port_q.join_thread()
     return n / secs
 
 
