@@ -12,12 +12,15 @@ import pytest
 import phalanx.cache
 from cache_util import FP, GEOM, PB, Clock, Stores, build_tree, page_row, record_files, stores
 from phalanx.cache import (
+    DiskStore,
+    Geometry,
     NotCachedError,
     RecordCorruptError,
     RowSpanError,
     fingerprint_digest,
     page_keys,
 )
+from phalanx.cache.buffers import MAP_MIN
 from phalanx.cache.files import write_record
 from phalanx.cache.keys import ROOT_KEY
 from phalanx.cache.record import RecordHeader
@@ -210,3 +213,32 @@ def test_records_of_the_previous_format_are_still_served(tmp_path: Path, stores:
     s = stores.open(tmp_path)
     with pytest.raises(RecordCorruptError):
         s.load(old, 3)
+
+
+def test_large_rows_load_through_a_mapping_and_a_short_file_is_caught(tmp_path: Path) -> None:
+    """Rows of MAP_MIN and more are copied from a mapping of the file (in parallel parts
+    for ``load``, whole for ``load_many``): same bytes; a file cut short by someone else
+    is refused before it is mapped (a copy past its end would be SIGBUS)."""
+    geom = Geometry(layers=4, kv_heads=2, head_dim=64, dtype="bfloat16", page_tokens=64)
+    pages = -(-MAP_MIN // geom.page_bytes) + 7  # over the threshold, not a round size
+    toks = [np.arange(pages * 64) + i * 10**6 for i in range(3)]
+    rows = [np.random.default_rng(i).integers(0, 255, pages * geom.page_bytes,
+                                              dtype=np.uint8) for i in range(3)]
+    with DiskStore(tmp_path, geom, FP, capacity_bytes=1 << 30, progress=False,
+                   load_threads=3) as s:
+        for t, r in zip(toks, rows, strict=True):
+            s.store(t, r)
+        assert bytes(s.load(toks[0], pages)) == rows[0].tobytes()
+        out = np.zeros(pages * geom.page_bytes - geom.page_bytes, dtype=np.uint8)
+        s.load(toks[1], pages - 1, out=out)
+        assert out.tobytes() == rows[1][: out.nbytes].tobytes()
+        got = s.load_many([(t, pages) for t in toks])
+        assert [bytes(g) for g in got] == [r.tobytes() for r in rows]
+        victim = tmp_path / f"{s.chain(toks[2]).keys[-1].hex()}.kv"
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size - geom.page_bytes // 2)
+    with DiskStore(tmp_path, geom, FP, capacity_bytes=1 << 30, progress=False) as s:
+        assert s.lookup(toks[2]) == pages  # trusted under the seal...
+        with pytest.raises(RecordCorruptError, match="shorter"):
+            s.load(toks[2], pages)  # ...refused before the mapping
+        assert s.lookup(toks[2]) == 0 and bytes(s.load(toks[0], pages)) == rows[0].tobytes()

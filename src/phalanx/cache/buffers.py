@@ -6,11 +6,14 @@ is. torch is imported only when a tensor is passed: the cache layer never needs 
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
+
+import numpy as np
 
 from ._errors import RowSpanError
 
@@ -74,13 +77,30 @@ def pread_full(fd: int, dst: memoryview, offset: int) -> None:
         got += n
 
 
-class ParallelReader:
-    """Splits a large read into ``threads`` page-aligned parts read at once.
+# Reads of at least this many bytes copy from a mapping of the file instead of preadv:
+# on this VM the kernel's copy to user memory runs at ~5.5 GB/s a thread, a userland copy
+# from the mapped page cache at ~11.5 (mmap and munmap cost more than that saves below
+# ~2 MiB: 256 KiB rows read 30% slower mapped).
+MAP_MIN = 2 << 20
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
-    ``preadv`` releases the GIL, so the page-cache copies of one load run on several
-    cores (one thread's memcpy bandwidth is well below a socket's). The caller's thread
-    reads the first part; worker threads start on the first large read and stop at
-    ``close()``; a read after ``close()`` runs on the caller's thread alone.
+
+def _copy(dst: Any, src: Any) -> None:
+    np.copyto(dst, src)  # releases the GIL for large copies: parts run on several cores
+
+
+class ParallelReader:
+    """Reads rows from files into caller memory, a large one in parallel parts.
+
+    Below MAP_MIN, one ``preadv`` straight into the destination. From MAP_MIN, the
+    file's range is mapped (read-only, populated) and copied; ``split`` copies
+    ``threads`` page-aligned parts at once (the copy releases the GIL, so one load runs
+    on several cores). The caller's thread copies the first part; worker threads start
+    on the first large read and stop at ``close()``; a read after ``close()`` runs on
+    the caller's thread alone. A file shorter than the range is an OSError, checked
+    before mapping (reading past the end of a mapping would be SIGBUS); our files are
+    never truncated in place (writes and thins replace them by rename), so only another
+    program truncating a live cache's file could fault a copy under way.
     """
 
     def __init__(self, threads: int, min_part: int = 1 << 20) -> None:
@@ -90,27 +110,44 @@ class ParallelReader:
         self._closed = False
         self._lock = threading.Lock()
 
-    def read(self, fd: int, dst: memoryview, offset: int) -> None:
+    def read(self, fd: int, dst: memoryview, offset: int, split: bool = True) -> None:
         n = dst.nbytes
-        parts = min(self.threads, n // self.min_part)
+        if n < MAP_MIN:
+            pread_full(fd, dst, offset)
+            return
+        if os.fstat(fd).st_size < offset + n:
+            raise OSError(0, "file shorter than its header says")
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, offset + n - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ,
+                       offset=base) as mapped:
+            src = np.frombuffer(mapped, dtype=np.uint8, count=n, offset=offset - base)
+            out = np.frombuffer(dst, dtype=np.uint8)
+            try:
+                self._copy_parts(out, src, split)
+            finally:
+                del src, out  # the mapping closes only once no array views it
+
+    def _copy_parts(self, out: Any, src: Any, split: bool) -> None:
+        n = out.nbytes
+        parts = min(self.threads, n // self.min_part) if split else 1
         pool = self._get_pool() if parts > 1 else None
         if pool is None:
-            pread_full(fd, dst, offset)
+            _copy(out, src)
             return
         per = -(-n // parts)
         size = -(-per // 4096) * 4096  # page-aligned parts
         futures: list[Future[None]] = []
+        done = size
         try:
             for at in range(size, n, size):
-                futures.append(pool.submit(pread_full, fd, dst[at : at + size], offset + at))
-        except RuntimeError:  # shut down meanwhile: read the rest here
-            done = size + len(futures) * size
-            if done < n:
-                pread_full(fd, dst[done:], offset + done)
+                futures.append(pool.submit(_copy, out[at : at + size], src[at : at + size]))
+                done = at + size
+        except RuntimeError:  # shut down meanwhile: copy the rest here
+            _copy(out[done:], src[done:])
         try:
-            pread_full(fd, dst[:size], offset)
+            _copy(out[:size], src[:size])
         finally:
-            wait(futures)  # never return (and let the caller close fd) with reads running
+            wait(futures)  # never unmap (or let the caller close fd) with copies running
         for f in futures:
             f.result()
 

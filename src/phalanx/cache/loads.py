@@ -19,7 +19,7 @@ import numpy as np
 from phalanx.lifecycle.failpoints import Failpoint
 
 from ._errors import NotCachedError, RecordCorruptError
-from .buffers import ParallelReader, as_out_view, pread_full
+from .buffers import ParallelReader, as_out_view
 from .geometry import Geometry
 from .index import Index, Record
 from .keys import KeyChain, Tokens
@@ -142,11 +142,8 @@ class Loads:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                # one preadv straight into dst (split across threads when large)
-                if split:
-                    self._reader.read(fd, dst, offset)
-                else:
-                    pread_full(fd, dst, offset)
+                # straight into dst (in parallel parts when large and split)
+                self._reader.read(fd, dst, offset, split)
                 crcs = None
                 digest = page_digest(RECORD_VERSION)
                 if not rec.verified:
