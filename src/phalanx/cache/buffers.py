@@ -151,6 +151,17 @@ class ParallelReader:
         for f in futures:
             f.result()
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any] | None:
+        """Run ``fn(*args)`` on a worker thread; None when there is none (one thread, or
+        closed): the caller then runs it itself."""
+        pool = self._get_pool() if self.threads > 1 else None
+        if pool is None:
+            return None
+        try:
+            return pool.submit(fn, *args)
+        except RuntimeError:  # shut down meanwhile
+            return None
+
     def run_all(self, tasks: Sequence[Callable[[], None]]) -> None:
         """Run independent reads at once: on the worker threads and the caller's thread,
         each taking the next task until none is left. Returns when every task finished;

@@ -13,6 +13,7 @@ import errno
 import itertools
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 from phalanx.lifecycle.failpoints import Failpoint
 
@@ -64,6 +65,13 @@ def _write_all(fd: int, bufs: Sequence[bytes | memoryview]) -> None:
             views[0] = views[0][n:]
 
 
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwritev(fd, [view], offset)
+        view, offset = view[n:], offset + n
+
+
 def _fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -90,7 +98,7 @@ def _write_error(directory: str, key: bytes, what: str, exc: OSError) -> StoreWr
     )
 
 
-def _commit(directory: str, key: bytes, bufs: Sequence[bytes | memoryview], fsync: bool,
+def _commit(directory: str, key: bytes, write: Callable[[int], None], fsync: bool,
             written: Failpoint, committed: Failpoint, what: str,
             on_renamed: Callable[[], None] | None = None) -> None:
     final = os.path.join(directory, record_name(key))
@@ -100,7 +108,7 @@ def _commit(directory: str, key: bytes, bufs: Sequence[bytes | memoryview], fsyn
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             _FP_TEMP_OPENED.hit()
-            _write_all(fd, bufs)
+            write(fd)
             if fsync:
                 os.fsync(fd)
         finally:
@@ -126,10 +134,22 @@ def _commit(directory: str, key: bytes, bufs: Sequence[bytes | memoryview], fsyn
         raise
 
 
-def write_record(directory: str, header: RecordHeader, row: memoryview, fsync: bool) -> None:
-    """Write header + row as ``<key>.kv`` via temp + rename. Raises StoreWriteError."""
-    _commit(directory, header.key, [header.encode(), row], fsync,
-            _FP_TEMP_WRITTEN, _FP_COMMITTED, "write")
+def write_record(directory: str, header: RecordHeader, row: memoryview, fsync: bool,
+                 checksums: Future[list[int]] | None = None) -> None:
+    """Write header + row as ``<key>.kv`` via temp + rename. Raises StoreWriteError.
+
+    ``checksums``: the row's page checksums, still being computed on another thread;
+    the row is written first (at its offset after the header) while they are, then the
+    header with them. The file is a temp file until the rename: the order is free."""
+    def write(fd: int) -> None:
+        if checksums is None:
+            _write_all(fd, [header.encode(), row])
+            return
+        _pwrite_all(fd, row, header.header_len)
+        header.crcs = checksums.result()
+        _pwrite_all(fd, header.encode(), 0)
+
+    _commit(directory, header.key, write, fsync, _FP_TEMP_WRITTEN, _FP_COMMITTED, "write")
 
 
 def thin_record(directory: str, thinned: RecordHeader, fsync: bool,
@@ -139,7 +159,7 @@ def thin_record(directory: str, thinned: RecordHeader, fsync: bool,
     ``on_renamed`` runs right after the rename: a later failure (directory fsync, a
     failpoint) cannot undo a thin, so the index must already say "thinned".
     """
-    _commit(directory, thinned.key, [thinned.encode()], fsync,
+    _commit(directory, thinned.key, lambda fd: _write_all(fd, [thinned.encode()]), fsync,
             _FP_THIN_WRITTEN, _FP_THIN_COMMITTED, "thin", on_renamed)
 
 

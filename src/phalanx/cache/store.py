@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -44,6 +45,7 @@ __all__ = ["DiskStore", "StoreResult"]
 
 log = logging.getLogger("phalanx.cache")
 
+_OVERLAP_MIN = 1 << 20  # below, a thread hand-off costs more than the hash it overlaps
 _FP_SEAL = Failpoint("cache.close.seal", "close wrote the snapshot; about to seal it")
 
 BadFilePolicy = Literal["quarantine", "delete"]
@@ -260,11 +262,18 @@ class DiskStore(Loads):
             self._make_room_locked(size)
             self._reserved += size
             self._inflight.add(keys[-1])
+        # a large row's checksums are computed on a reader thread while this one writes
+        # the row (both release the GIL): the store costs its write, not write + hash
+        checksums = (self._reader.submit(page_crcs, view, pb)
+                     if view.nbytes >= _OVERLAP_MIN else None)
         try:
-            header.crcs = page_crcs(view, pb)
+            if checksums is None:
+                header.crcs = page_crcs(view, pb)
             header.created = self._clock()
-            write_record(self.directory, header, view, self.fsync)
+            write_record(self.directory, header, view, self.fsync, checksums)
         finally:
+            if checksums is not None:
+                wait([checksums])  # never leave a thread reading the caller's row
             with self._mutex:
                 self._reserved -= size
                 self._inflight.discard(keys[-1])
