@@ -139,13 +139,15 @@ def write_record(directory: str, header: RecordHeader, row: memoryview, fsync: b
     """Write header + row as ``<key>.kv`` via temp + rename. Raises StoreWriteError.
 
     ``checksums``: the row's page checksums, still being computed on another thread;
-    the row is written first (at its offset after the header) while they are, then the
-    header with them. The file is a temp file until the rename: the order is free."""
+    the row is written while they are, then the header with them. The file is a temp
+    file until the rename: the order is free."""
     def write(fd: int) -> None:
         if checksums is None:
             _write_all(fd, [header.encode(), row])
             return
-        _pwrite_all(fd, row, header.header_len)
+        # one sequential write from offset 0 (the header's room zeroed for now), as the
+        # file would be written without the overlap, then the header over its room
+        _write_all(fd, [bytes(header.header_len), row])
         header.crcs = checksums.result()
         _pwrite_all(fd, header.encode(), 0)
 
