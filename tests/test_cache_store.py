@@ -23,6 +23,7 @@ from phalanx.cache import (
 from phalanx.cache.buffers import MAP_MIN
 from phalanx.cache.files import write_record
 from phalanx.cache.keys import ROOT_KEY
+from phalanx.cache.manifest import MANIFEST_NAME, read_manifest
 from phalanx.cache.record import RecordHeader
 from phalanx.cache.snapshot import SEAL_NAME
 
@@ -200,7 +201,12 @@ def test_records_of_the_previous_format_are_still_served(tmp_path: Path, stores:
                           time.time(), keys, [zlib.crc32(row[i * PB:(i + 1) * PB])
                                               for i in range(3)], version=1)
     write_record(str(tmp_path), header, row, fsync=False)
+    manifest = tmp_path / MANIFEST_NAME  # as a format-1 build made the directory
+    manifest.write_bytes(manifest.read_bytes().replace(b'"version":2', b'"version":1'))
+    assert read_manifest(str(tmp_path)).version == 1  # type: ignore[union-attr]
     s = stores.open(tmp_path)
+    # this build writes format 2 into it: the manifest says so, so older builds refuse it
+    assert read_manifest(str(tmp_path)).version == 2  # type: ignore[union-attr]
     assert s.lookup(old) == 3 and s.lookup(toks) == 4
     assert bytes(s.load(old, 3)) == bytes(row) and bytes(s.load(toks, 4)) == page_row(toks)
     assert s.check() == []
@@ -215,17 +221,19 @@ def test_records_of_the_previous_format_are_still_served(tmp_path: Path, stores:
         s.load(old, 3)
 
 
-def test_large_rows_load_through_a_mapping_and_a_short_file_is_caught(tmp_path: Path) -> None:
-    """Rows of MAP_MIN and more are copied from a mapping of the file (in parallel parts
-    for ``load``, whole for ``load_many``): same bytes; a file cut short by someone else
-    is refused before it is mapped (a copy past its end would be SIGBUS)."""
+@pytest.mark.parametrize("map_reads", [True, False], ids=["mapped", "preadv"])
+def test_large_rows_load_in_parts_and_a_short_file_is_caught(tmp_path: Path,
+                                                             map_reads: bool) -> None:
+    """Rows of MAP_MIN and more are copied from a mapping of the file, or read with
+    preadv (in parallel parts for ``load``, whole for ``load_many``): same bytes; a file
+    cut short by someone else is refused before it is mapped or read."""
     geom = Geometry(layers=4, kv_heads=2, head_dim=64, dtype="bfloat16", page_tokens=64)
     pages = -(-MAP_MIN // geom.page_bytes) + 7  # over the threshold, not a round size
     toks = [np.arange(pages * 64) + i * 10**6 for i in range(3)]
     rows = [np.random.default_rng(i).integers(0, 255, pages * geom.page_bytes,
                                               dtype=np.uint8) for i in range(3)]
     with DiskStore(tmp_path, geom, FP, capacity_bytes=1 << 30, progress=False,
-                   load_threads=3) as s:
+                   load_threads=3, map_reads=map_reads) as s:
         for t, r in zip(toks, rows, strict=True):
             s.store(t, r)
         assert bytes(s.load(toks[0], pages)) == rows[0].tobytes()
@@ -237,7 +245,8 @@ def test_large_rows_load_through_a_mapping_and_a_short_file_is_caught(tmp_path: 
         victim = tmp_path / f"{s.chain(toks[2]).keys[-1].hex()}.kv"
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size - geom.page_bytes // 2)
-    with DiskStore(tmp_path, geom, FP, capacity_bytes=1 << 30, progress=False) as s:
+    with DiskStore(tmp_path, geom, FP, capacity_bytes=1 << 30, progress=False,
+                   map_reads=map_reads) as s:
         assert s.lookup(toks[2]) == pages  # trusted under the seal...
         with pytest.raises(RecordCorruptError, match="shorter"):
             s.load(toks[2], pages)  # ...refused before the mapping

@@ -102,14 +102,15 @@ def _purge(alloc_id: int, ranks: list[int]) -> int:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_abort_wakes_waiters_and_refuses_late_arrivals(backend: str, tmp_path: Path) -> None:
     """One participant gives up: the ones already waiting stop at once with an abort
-    (not after their 120 s timeout), one arriving later is refused, and the purge leaves
-    the resting marker count."""
+    (not after their 120 s timeout); after a second one gives up too, one arriving later
+    is still refused; the purge leaves the resting marker count."""
     def orch(o: phalanx.Orchestrator) -> tuple[list[str], int, int]:
         ranks = list(o.ranks)
         rest = o.submit(0, _markers).result()
         waiting = [o.submit(r, _wait_for_abort, 5, ranks) for r in ranks[:2]]
         o.submit(2, _abort_after, 0.5, 5, ranks).result()
         outcomes = [f.result() for f in waiting]
+        o.submit(0, _abort_after, 0.0, 5, ranks).result()  # a second rank gives up too
         outcomes.append(o.submit(2, _wait_for_abort, 5, ranks).result())  # late
         o.submit(0, _purge, 5, ranks).result()
         return outcomes, rest, o.submit(0, _markers).result()

@@ -43,14 +43,7 @@ def check_or_create(directory: str, geometry: Geometry, fingerprint: bytes) -> N
     want = Manifest(RECORD_VERSION, geometry, fingerprint.hex())
     have = read_manifest(directory)
     if have is None:
-        path = os.path.join(directory, MANIFEST_NAME)
-        tmp = os.path.join(directory, f".{MANIFEST_NAME}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, msgspec.json.encode(want))
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
+        _write(directory, want)
         return
     # the manifest names the format the directory was made with; records of every
     # readable format are served, and new ones are written in the current format
@@ -66,3 +59,19 @@ def check_or_create(directory: str, geometry: Geometry, fingerprint: bytes) -> N
             f"cache directory {directory} belongs to model fingerprint {have.fingerprint}, "
             f"not {want.fingerprint}; use a directory per model"
         )
+    if have.version < RECORD_VERSION:
+        # this store writes the current format into it: from now on a build that cannot
+        # read it refuses the directory at open, instead of skipping every new record
+        # (and, with bad_files="delete", deleting them); it cannot trust our seal either
+        _write(directory, want)
+
+
+def _write(directory: str, manifest: Manifest) -> None:
+    path = os.path.join(directory, MANIFEST_NAME)
+    tmp = os.path.join(directory, f".{MANIFEST_NAME}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, msgspec.json.encode(manifest))
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)

@@ -27,7 +27,7 @@ from ._errors import (
     RowSpanError,
     StoreClosedError,
 )
-from .buffers import ParallelReader, as_byte_view
+from .buffers import MAP_MIN, ParallelReader, as_byte_view
 from .files import is_temp_name, purge_temp, quarantine, remove_record, thin_record, write_record
 from .geometry import Geometry
 from .index import Record
@@ -73,7 +73,10 @@ class DiskStore(Loads):
     makes every commit durable (off by default: a cache can lose its newest records
     on power loss, and the page CRCs catch torn ones). ``clock`` gives wall time
     (tests pass their own to age records without sleeping). ``load_threads`` (default
-    min(4, CPUs)) threads read one large load in parallel parts.
+    min(4, CPUs)) threads read one large load in parallel parts, a ``load_many`` batch
+    at once, and hash a large row while it is written. ``map_reads`` (default on): rows
+    of 2 MiB and more are copied from a mapping of the file when all of it is in the
+    page cache (twice preadv's speed here; see buffers.py); off, every read is preadv.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class DiskStore(Loads):
         progress: bool = True,
         on_job: Callable[[Job], None] | None = None,
         load_threads: int | None = None,
+        map_reads: bool = True,
     ) -> None:
         if capacity_bytes <= 0 or max_jobs_per_poll <= 0:
             raise ValueError("capacity_bytes and max_jobs_per_poll must be positive")
@@ -102,8 +106,9 @@ class DiskStore(Loads):
         self.max_jobs_per_poll = max_jobs_per_poll
         self.bad_files = bad_files
         self._on_job = on_job
-        self._reader = ParallelReader(load_threads if load_threads is not None
-                                      else min(4, os.cpu_count() or 1))
+        self._reader = ParallelReader(
+            load_threads if load_threads is not None else min(4, os.cpu_count() or 1),
+            map_min=MAP_MIN if map_reads else None)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self._lock = DirLock(self.directory)  # first: touch nothing before owning the dir
         try:
@@ -146,18 +151,22 @@ class DiskStore(Loads):
         Idempotent; loads already reading finish. A snapshot or seal that cannot be
         written is logged and skipped: the next open checks or reads those headers.
         """
-        with self._mutex:
-            if self._state is _State.CLOSED:
-                return
-            self._state = _State.CLOSED
-            try:
-                if self._index.changes != self._snapshot_changes:
-                    self._save_snapshot_locked()
-                if self._index.changes == self._snapshot_changes:
-                    self._seal_locked()
-            finally:
-                self._lock.release()
-                self._reader.close()
+        try:
+            with self._mutex:
+                if self._state is _State.CLOSED:
+                    return
+                self._state = _State.CLOSED
+                try:
+                    if self._index.changes != self._snapshot_changes:
+                        self._save_snapshot_locked()
+                    if self._index.changes == self._snapshot_changes:
+                        self._seal_locked()
+                finally:
+                    self._lock.release()
+        finally:
+            # outside the mutex: a reader thread finishing a load may need it (a corrupt
+            # record is dropped under it), and closing waits for those threads
+            self._reader.close()
 
     def snapshot(self) -> int:
         """Write the header snapshot now (see cache/snapshot.py), so that a reopen after

@@ -131,10 +131,14 @@ class DomainManager:
         return out
 
     def _purge(self, spec: DomainSpec) -> None:
-        # Markers or keys a failed handshake left: remove them now that nobody waits.
-        for r in spec.members:
-            outcome = self.worker._call_ranks([r], rank_ops.purge_handshakes, spec.alloc_id,
-                                                spec.members)[r]
+        self._purge_ids(spec.alloc_id, list(spec.members))
+
+    def _purge_ids(self, alloc_id: int, members: list[int]) -> None:
+        # Markers or keys a failed handshake left: remove them now that nobody waits
+        # (through the first member that can: any rank reaches the whole store).
+        for r in members:
+            outcome = self.worker._call_ranks([r], rank_ops.purge_handshakes, alloc_id,
+                                                members)[r]
             if not isinstance(outcome, BaseException):
                 return
 
@@ -155,6 +159,7 @@ class DomainManager:
                 except Exception as exc:  # noqa: BLE001  collected per rank
                     failures[r] = exc
             if failures:
+                self._purge_ids(attempt, world)  # what its aborted handshakes left
                 causes = _root_causes(failures)
                 raise DomainAllocationError(
                     f"creating the base communicator failed; every rank rolled back. "

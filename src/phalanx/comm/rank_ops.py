@@ -61,7 +61,8 @@ _WINDOW_UNMAP = _F("domain.release.window_unmap", "rank: about to unmap own segm
 _SLOT_RETURN = _F("domain.release.slot_return", "rank: about to return the notify slot")
 
 ALLOC_TAGS = ("created", "attached")
-HANDSHAKE_TAGS = (*ALLOC_TAGS, "poolcreated", "poolmapped")  # every tag of an allocation
+BASE_TAGS = ("poolcreated", "poolmapped")  # base init's handshakes, via the backend
+HANDSHAKE_TAGS = (*ALLOC_TAGS, *BASE_TAGS)  # every tag of an allocation
 PHASE_CREATED, PHASE_ATTACHED = 1, 2
 _PHASE_ABORT = 0xFF
 
@@ -247,7 +248,7 @@ def _rollback(alloc_id: int, owner: str, exc: BaseException,
     to stop waiting, then undo what this rank recorded."""
     if abort_among:
         try:
-            current.backend().abort(alloc_id, rank_comm().rank, HANDSHAKE_TAGS, abort_among)
+            current.backend().abort(alloc_id, rank_comm().rank, BASE_TAGS, abort_among)
         except Exception as err:  # noqa: BLE001  a courtesy; timeouts still bound peers
             exc.add_note(f"rank {rank_comm().rank} could not abort allocation {alloc_id}: "
                          f"{err!r}")

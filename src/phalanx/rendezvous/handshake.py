@@ -50,6 +50,7 @@ _REMOVE = Failpoint("rendezvous.handshake.remove", "the leader is about to remov
 _MAX_MASK_PARTICIPANTS = 31  # arrival bitmask in the low half of a signed 64-bit counter
 _LATE_RELEASE_S = 5.0  # a release key seen coming just as a wait timed out
 _ABORTED = 1 << 40  # in a store counter: the allocation was aborted
+_NO_COUNTER = "\x00"  # a value no counter or release key ever holds (see _peek)
 _ABORT_MEMORY_S = 300.0  # how long the hub remembers an aborted allocation id
 
 
@@ -199,8 +200,10 @@ class StoreBackend:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         self.prefix = job_prefix(token, generation)
+        # libuv: its server's compare_set of a missing key wakes that key's waiters,
+        # which abort() relies on (the legacy server's does not: aborts would time out)
         self.store = TCPStore(host, port, None, is_master, timedelta(seconds=timeout),
-                              wait_for_workers=False)
+                              wait_for_workers=False, use_libuv=True)
         self.port = int(self.store.port)
         job_key = f"{self.prefix}/job"
         if is_master:
@@ -234,7 +237,7 @@ class StoreBackend:
         full = (1 << len(participants)) - 1
         _PUBLISH.hit()
         mask = self.store.add(counter, 1 << participants.index(rank))
-        if mask & _ABORTED:
+        if mask >= _ABORTED:  # any number of aborts: each adds _ABORTED
             raise _aborted(tag, alloc_id, rank)
         if mask & full != full:
             self._wait_release(counter, alloc_id, tag, participants, rank, timeout)
@@ -248,18 +251,33 @@ class StoreBackend:
     def _wait_release(self, counter: str, alloc_id: int, tag: str,
                       participants: Sequence[int], rank: int, timeout: float) -> None:
         go = f"{counter}/go/{rank}"
+        full = (1 << len(participants)) - 1
         try:
             self.store.wait([go], timedelta(seconds=timeout))
         except Exception as exc:
-            # the last arrival may have come just now: it deletes the counter after
-            # setting the release keys, so an absent counter means ours is there
-            if self.store.check([counter]):
-                mask = self.store.add(counter, 0)
+            # Timed out. The last arrival may be releasing right now: it sets the release
+            # keys, then deletes the counter, so a full (or deleted) counter means our
+            # key is set or about to be: wait for it a little longer.
+            mask = self._peek(counter)
+            if mask is not None and mask >= _ABORTED:
+                raise _aborted(tag, alloc_id, rank) from exc
+            if mask is not None and mask & full != full:
                 missing = [r for i, r in enumerate(participants) if not mask >> i & 1]
                 raise _timeout("arrival", tag, alloc_id, rank, missing, timeout) from exc
-            self.store.wait([go], timedelta(seconds=_LATE_RELEASE_S))
+            try:
+                self.store.wait([go], timedelta(seconds=_LATE_RELEASE_S))
+            except Exception as late:
+                raise _timeout("arrival", tag, alloc_id, rank, [], timeout) from late
         if not self.store.delete_key(go):  # woken without a key: an abort (see abort())
             raise _aborted(tag, alloc_id, rank)
+
+    def _peek(self, counter: str) -> int | None:
+        """The counter's value, or None when it does not exist; never creates it (an
+        ``add(counter, 0)`` would, and leave it behind). A ``compare_set`` that expects
+        a value no counter holds changes nothing and returns the value, or the expected
+        one for a missing key."""
+        got = self.store.compare_set(counter, _NO_COUNTER, _NO_COUNTER)
+        return None if got == _NO_COUNTER.encode() else int(got)
 
     def abort(self, alloc_id: int, rank: int, tags: Sequence[str],
               participants: Sequence[int]) -> None:
@@ -272,7 +290,7 @@ class StoreBackend:
             counter = self._counter(alloc_id, tag)
             self.store.add(counter, _ABORTED)
             for r in participants:
-                self.store.compare_set(f"{counter}/go/{r}", "\x00", "\x00")
+                self.store.compare_set(f"{counter}/go/{r}", _NO_COUNTER, _NO_COUNTER)
 
     def purge(self, alloc_id: int, tags: Sequence[str], participants: Sequence[int]) -> int:
         removed = 0
