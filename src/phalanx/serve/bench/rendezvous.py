@@ -1,8 +1,10 @@
 """``phalanx bench rendezvous``: handshake latency and leftovers, phalanx vs torch stores.
 
-Every system runs the same thing in the same rank processes: N back-to-back
+Every system runs the same thing in its own rank processes: N back-to-back
 handshakes (barriers) among all ranks, each with a fresh id as a domain allocation
-would have. torch's side is its store-based barrier (``_store_based_barrier``, what
+would have, in --rounds rounds that visit every system in turn (a fresh Worker, and
+store, per system and round), so the drift of a shared VM hits all of them alike.
+torch's side is its store-based barrier (``_store_based_barrier``, what
 ``new_group`` runs) over a ``FileStore`` and a ``TCPStore``, with a fresh group name
 per barrier as ``new_group`` uses. Rank 0's per-handshake times are reported.
 """
@@ -13,6 +15,7 @@ import os
 import tempfile
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +29,9 @@ from ._stats import emit, percentile
 _TORCH_STORE: dict[str, Any] = {}  # rank-local: the torch store under test
 
 
-def _phalanx_loop(n: int, ranks: list[int]) -> tuple[list[float], int]:
+def _phalanx_loop(first: int, n: int, ranks: list[int]) -> tuple[list[float], int]:
     samples = []
-    for i in range(1, n + 1):
+    for i in range(first, first + n):
         t0 = time.perf_counter()
         handshake("bench", i, ranks)
         samples.append(time.perf_counter() - t0)
@@ -47,12 +50,12 @@ def _torch_open(kind: str, rank: int, world: int, path: str, port: int) -> int:
     return int(store.port)
 
 
-def _torch_loop(n: int, rank: int, world: int) -> tuple[list[float], int]:
+def _torch_loop(first: int, n: int, rank: int, world: int) -> tuple[list[float], int]:
     from torch.distributed.distributed_c10d import _store_based_barrier
 
     store = _TORCH_STORE["store"]
     samples = []
-    for i in range(1, n + 1):
+    for i in range(first, first + n):
         t0 = time.perf_counter()
         _store_based_barrier(rank, store, f"bench{i}", world,  # type: ignore[arg-type]
                              timedelta(seconds=60))
@@ -74,29 +77,35 @@ def _count_files(root: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(root))
 
 
-def _bench_phalanx(backend: str, ranks: int, n: int, tmp: Path) -> dict[str, float]:
+def _phalanx_round(backend: str, ranks: int, first: int, n: int,
+                   tmp: Path) -> tuple[list[float], int, int]:
+    """``n`` handshakes on a fresh Worker: rank 0's times, the markers left right after
+    them and after close. The store backend's job key is not a marker: not counted."""
     runtime_dir = tmp / f"rt-{backend}"
 
     def orch(o: Orchestrator) -> tuple[list[float], int]:
-        futures = [o.submit(r, _phalanx_loop, n, list(o.ranks)) for r in o.ranks]
+        futures = [o.submit(r, _phalanx_loop, first, n, list(o.ranks)) for r in o.ranks]
         rank0: tuple[list[float], int] = [f.result() for f in futures][0]  # noqa: RUF015
         return rank0
 
     with Worker(ranks=ranks, rendezvous=backend, runtime_dir=runtime_dir) as w:
         samples, left = w.run(orch)
-        if backend != "store":  # count files: what would fill /tmp
+        if backend == "store":
+            left -= 1  # the job key
+        else:  # count files: what would fill /tmp
             left = _count_files(runtime_dir) - 1  # less the owner record
-    return _figures(samples, left, _count_files(runtime_dir))
+    return samples, left, _count_files(runtime_dir)
 
 
-def _bench_torch(kind: str, ranks: int, n: int, tmp: Path) -> dict[str, float]:
+def _torch_round(kind: str, ranks: int, first: int, n: int,
+                 tmp: Path) -> tuple[list[float], int, int]:
     path = str(tmp / "torch-filestore")
 
     def orch(o: Orchestrator) -> tuple[list[float], int]:
         port = o.submit(0, _torch_open, kind, 0, ranks, path, 0).result()
         for f in [o.submit(r, _torch_open, kind, r, ranks, path, port) for r in o.ranks[1:]]:
             f.result()
-        futures = [o.submit(r, _torch_loop, n, r, ranks) for r in o.ranks]
+        futures = [o.submit(r, _torch_loop, first, n, r, ranks) for r in o.ranks]
         result: tuple[list[float], int] = [f.result() for f in futures][0]  # noqa: RUF015
         for f in [o.submit(r, _torch_close) for r in o.ranks]:
             f.result()
@@ -104,21 +113,40 @@ def _bench_torch(kind: str, ranks: int, n: int, tmp: Path) -> dict[str, float]:
 
     with Worker(ranks=ranks) as w:
         samples, left = w.run(orch)
-    # FileStore's file: is it still there, and how many keys did it hold?
+    # FileStore's file: is it still there?
     after = int(os.path.exists(path)) if kind == "filestore" else 0
-    return _figures(samples, left, after)
+    if after:
+        os.unlink(path)  # the next round's store starts afresh
+    return samples, left, after
 
 
 @click.command("rendezvous")
 @click.option("--ranks", default=2, show_default=True)
 @click.option("--handshakes", default=10_000, show_default=True)
+@click.option("--rounds", default=5, show_default=True,
+              help="Visit the systems in turn this many times (drift hits all alike).")
 @click.option("--json", "as_json", is_flag=True)
-def command(ranks: int, handshakes: int, as_json: bool) -> None:
-    """Handshake latency p50/p99 and leftovers: phalanx backends vs torch FileStore/TCPStore."""
-    result: dict[str, Any] = {}
+def command(ranks: int, handshakes: int, rounds: int, as_json: bool) -> None:
+    """Handshake latency p50/p99 and leftovers: phalanx backends vs torch FileStore/TCPStore.
+
+    ``left_after``: markers (files, keys) the handshakes left, summed over the rounds
+    (each round is a fresh job; summed, what one job doing them all would hold);
+    ``left_after_close``: the most any round left after its Worker closed."""
+    per_round = [handshakes // rounds + (i < handshakes % rounds) for i in range(rounds)]
+    runners: dict[str, Any] = {b: partial(_phalanx_round, b) for b in BACKENDS}
+    runners["torch_filestore"] = partial(_torch_round, "filestore")
+    runners["torch_tcpstore"] = partial(_torch_round, "tcpstore")
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    left = dict.fromkeys(runners, 0)
+    after_close = dict.fromkeys(runners, 0)
+    first = 1
     with tempfile.TemporaryDirectory(prefix="phx-bench-rdv-") as tmp:
-        for backend in BACKENDS:
-            result[backend] = _bench_phalanx(backend, ranks, handshakes, Path(tmp))
-        result["torch_filestore"] = _bench_torch("filestore", ranks, handshakes, Path(tmp))
-        result["torch_tcpstore"] = _bench_torch("tcpstore", ranks, handshakes, Path(tmp))
-    emit(result, as_json)
+        for n in per_round:  # every system, round after round
+            for name, run_round in runners.items():
+                got, lft, aft = run_round(ranks, first, n, Path(tmp))
+                samples[name] += got
+                left[name] += lft
+                after_close[name] = max(after_close[name], aft)
+            first += n
+    emit({name: _figures(samples[name], left[name], after_close[name]) for name in runners},
+         as_json)
