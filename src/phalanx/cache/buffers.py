@@ -13,6 +13,7 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -87,8 +88,9 @@ MAP_MIN = 2 << 20
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
-def _copy(dst: Any, src: Any) -> None:
-    np.copyto(dst, src)  # releases the GIL for large copies: parts run on several cores
+def _copy_range(dst: Any, src: Any, at: int, size: int) -> None:
+    # releases the GIL for large copies: parts run on several cores
+    np.copyto(dst[at : at + size], src[at : at + size])
 
 
 def _libc_mincore() -> Any:
@@ -170,7 +172,7 @@ class ParallelReader:
             src = np.frombuffer(mapped, dtype=np.uint8, count=n, offset=offset - base)
             out = np.frombuffer(dst, dtype=np.uint8)
             try:
-                self._copy_parts(out, src, split)
+                self._in_parts(n, split, partial(_copy_range, out, src))
             except BaseException as exc:
                 # a traceback keeps the frames' arrays alive, and a mapping with arrays
                 # on it cannot close (BufferError would hide this error)
@@ -181,50 +183,33 @@ class ParallelReader:
         return True
 
     def _read_pread(self, fd: int, dst: memoryview, offset: int, split: bool) -> None:
-        n = dst.nbytes
-        parts = min(self.threads, n // self.min_part) if split else 1
-        pool = self._get_pool() if parts > 1 else None
-        if pool is None:
-            pread_full(fd, dst, offset)
-            return
-        per = -(-n // parts)
-        size = -(-per // 4096) * 4096  # page-aligned parts
-        futures: list[Future[None]] = []
-        try:
-            for at in range(size, n, size):
-                futures.append(pool.submit(pread_full, fd, dst[at : at + size], offset + at))
-        except RuntimeError:  # shut down meanwhile: read the rest here
-            done = size + len(futures) * size
-            if done < n:
-                pread_full(fd, dst[done:], offset + done)
-        try:
-            pread_full(fd, dst[:size], offset)
-        finally:
-            wait(futures)  # never return (and let the caller close fd) with reads running
-        for f in futures:
-            f.result()
+        self._in_parts(dst.nbytes, split,
+                       lambda at, size: pread_full(fd, dst[at : at + size], offset + at))
 
-    def _copy_parts(self, out: Any, src: Any, split: bool) -> None:
-        n = out.nbytes
+    def _in_parts(self, n: int, split: bool, part: Callable[[int, int], None]) -> None:
+        """``part(at, size)`` over ``n`` bytes: in ``threads`` page-aligned parts at once
+        when ``split`` and large, the caller's thread doing the first; returns when all
+        are done (never with a part running: the caller then unmaps or closes)."""
         parts = min(self.threads, n // self.min_part) if split else 1
         pool = self._get_pool() if parts > 1 else None
         if pool is None:
-            _copy(out, src)
+            part(0, n)
             return
         per = -(-n // parts)
-        size = -(-per // 4096) * 4096  # page-aligned parts
+        size = -(-per // 4096) * 4096
         futures: list[Future[None]] = []
         done = size
         try:
             for at in range(size, n, size):
-                futures.append(pool.submit(_copy, out[at : at + size], src[at : at + size]))
+                futures.append(pool.submit(part, at, min(size, n - at)))
                 done = at + size
-        except RuntimeError:  # shut down meanwhile: copy the rest here
-            _copy(out[done:], src[done:])
+        except RuntimeError:  # shut down meanwhile: the rest here
+            if done < n:
+                part(done, n - done)
         try:
-            _copy(out[:size], src[:size])
+            part(0, size)
         finally:
-            wait(futures)  # never unmap (or let the caller close fd) with copies running
+            wait(futures)
         for f in futures:
             f.result()
 

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -88,8 +89,7 @@ class Loads:
         for dst, pieces in planned:
             for rec, first, stop in pieces:
                 view = dst[first * pb : stop * pb]
-                tasks.append(lambda r=rec, f=first, s=stop, v=view:  # type: ignore[misc]
-                             self._read_piece(r, f, s, v, split=False))
+                tasks.append(partial(self._read_piece, rec, first, stop, view, split=False))
         try:
             _FP_LOAD_PINNED.hit()
             self._reader.run_all(tasks)

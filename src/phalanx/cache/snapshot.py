@@ -73,7 +73,7 @@ log = logging.getLogger("phalanx.cache")
 
 SNAPSHOT_NAME = "phalanx-index.snap"
 SEAL_NAME = "phalanx-index.seal"
-_SEAL = struct.Struct("<8sqI")
+_SEAL = struct.Struct("<8sq")  # magic, taken_ns of the snapshot it vouches for; + CRC32
 _SEAL_MAGIC = b"PHXSEAL1"
 SNAPSHOT_VERSION = 1
 MAGIC = b"PHXIXSNP"
@@ -212,8 +212,8 @@ def _write_private(directory: str, name: str, data: bytes, fsync: bool) -> None:
 
 def write_seal(directory: str, taken_ns: int, fsync: bool) -> None:
     """Vouch for the snapshot taken at ``taken_ns`` (see the module doc). Raises OSError."""
-    body = _SEAL.pack(_SEAL_MAGIC, taken_ns, 0)[: -4]
-    _write_private(directory, SEAL_NAME, body + struct.pack("<I", zlib.crc32(body)), fsync)
+    body = _SEAL.pack(_SEAL_MAGIC, taken_ns)
+    _write_private(directory, SEAL_NAME, body + _CRC.pack(zlib.crc32(body)), fsync)
 
 
 def consume_seal(directory: str) -> int | None:
@@ -223,7 +223,7 @@ def consume_seal(directory: str) -> int | None:
     path = os.path.join(directory, SEAL_NAME)
     try:
         with open(path, "rb") as f:
-            data = f.read(_SEAL.size + 1)
+            data = f.read(_SEAL.size + _CRC.size + 1)
         os.unlink(path)
     except FileNotFoundError:
         return None
@@ -231,10 +231,11 @@ def consume_seal(directory: str) -> int | None:
         log.warning("cache %s: seal %s unreadable or not removable (%s); the header snapshot "
                     "is checked file by file", directory, path, exc)
         return None
-    if len(data) != _SEAL.size:
+    if len(data) != _SEAL.size + _CRC.size:
         return None
-    magic, taken_ns, crc = _SEAL.unpack(data)
-    if magic != _SEAL_MAGIC or zlib.crc32(data[:-4]) != crc:
+    magic, taken_ns = _SEAL.unpack_from(data)
+    (crc,) = _CRC.unpack_from(data, _SEAL.size)
+    if magic != _SEAL_MAGIC or zlib.crc32(data[: _SEAL.size]) != crc:
         return None
     return int(taken_ns)
 

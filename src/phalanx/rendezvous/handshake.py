@@ -243,6 +243,10 @@ class StoreBackend:
     def _counter(self, alloc_id: int, tag: str) -> str:
         return f"{self.prefix}/hs/{alloc_id}/{tag}"
 
+    @staticmethod
+    def _release_key(counter: str, rank: int) -> str:
+        return f"{counter}/go/{rank}"
+
     def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
                   timeout: float) -> None:
         """A counter and one release key per waiting rank; two round trips for the last
@@ -267,18 +271,17 @@ class StoreBackend:
         if mask >= _ABORTED:  # any number of aborts: each adds _ABORTED
             raise _aborted(tag, alloc_id, rank)
         if mask & full != full:
-            self._wait_release(counter, alloc_id, tag, participants, rank, timeout)
+            self._wait_release(counter, full, alloc_id, tag, participants, rank, timeout)
             return
         for r in participants:
             if r != rank:
-                self.store.set(f"{counter}/go/{r}", "1")
+                self.store.set(self._release_key(counter, r), "1")
         _REMOVE.hit()
         self.store.delete_key(counter)
 
-    def _wait_release(self, counter: str, alloc_id: int, tag: str,
+    def _wait_release(self, counter: str, full: int, alloc_id: int, tag: str,
                       participants: Sequence[int], rank: int, timeout: float) -> None:
-        go = f"{counter}/go/{rank}"
-        full = (1 << len(participants)) - 1
+        go = self._release_key(counter, rank)
         try:
             self.store.wait([go], timedelta(seconds=timeout))
         except Exception as exc:
@@ -317,13 +320,13 @@ class StoreBackend:
             counter = self._counter(alloc_id, tag)
             self.store.add(counter, _ABORTED)
             for r in participants:
-                self.store.compare_set(f"{counter}/go/{r}", _NO_COUNTER, _NO_COUNTER)
+                self.store.compare_set(self._release_key(counter, r), _NO_COUNTER, _NO_COUNTER)
 
     def purge(self, alloc_id: int, tags: Sequence[str], participants: Sequence[int]) -> int:
         removed = 0
         for tag in tags:
             counter = self._counter(alloc_id, tag)
-            keys = [counter, *(f"{counter}/go/{r}" for r in participants)]
+            keys = [counter, *(self._release_key(counter, r) for r in participants)]
             removed += sum(int(self.store.delete_key(k)) for k in keys)
         return removed
 
