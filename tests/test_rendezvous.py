@@ -80,6 +80,26 @@ def test_timed_out_handshake_names_missing_ranks(backend: str, tmp_path: Path) -
         assert "allocation 77" in str(info.value)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_runs_handshake_different_allocations(backend: str, tmp_path: Path) -> None:
+    """Tasks of concurrent runs handshake at once on the same ranks (the store backend
+    gives each serving thread its own connections); afterwards only the resting
+    markers are left."""
+    def orch(o: phalanx.Orchestrator, k: int) -> int:
+        members = list(o.ranks)
+        for i in range(40):
+            alloc_id = 1000 + 100 * k + i
+            for f in [o.submit(r, _alloc_release, alloc_id, members) for r in members]:
+                f.result()
+        return k
+
+    with phalanx.Worker(ranks=2, rendezvous=backend, runtime_dir=tmp_path) as w:
+        rest = w.run(lambda o: o.submit(0, _markers).result())
+        handles = [w.submit(orch, k) for k in range(4)]
+        assert [h.result(timeout=120) for h in handles] == [0, 1, 2, 3]
+        assert w.run(lambda o: o.submit(0, _markers).result()) == rest
+
+
 def _wait_for_abort(alloc_id: int, ranks: list[int]) -> str:
     try:
         handshake("alloc", alloc_id, ranks, timeout=120)

@@ -13,8 +13,9 @@ from ._errors import (
 )
 from .current import handshake, live_markers
 from .generation import Generation
-from .handshake import HubCoordinator, MarkerBackend, StoreBackend
+from .handshake import HubCoordinator, MarkerBackend
 from .paths import default_runtime_dir, ensure_private_dir
+from .store_backend import StoreBackend
 from .sweep import SweepReport, list_generations, sweep
 
 BACKENDS = ("hub", "marker", "store")

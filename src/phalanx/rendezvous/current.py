@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import RendezvousError
-from .handshake import Backend, HubBackend, MarkerBackend, StoreBackend
+from .handshake import Backend, HubBackend, MarkerBackend
+from .store_backend import StoreBackend
 
 __all__ = ["backend", "handshake", "install", "live_markers", "make_backend"]
 

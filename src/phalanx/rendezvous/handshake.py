@@ -4,8 +4,9 @@ One protocol, three backends (the rank side of each):
 
 * :class:`MarkerBackend` — files in the generation directory (one host, or hosts that
   share a file system). Arrival and departure markers are published atomically.
-* :class:`StoreBackend` — keys in torch's c10d ``TCPStore`` (multi-host), created by
-  rank 0 and joined by the others. torch is imported only here, only when used.
+* :class:`~phalanx.rendezvous.store_backend.StoreBackend` — keys in torch's c10d
+  ``TCPStore`` (multi-host), created by rank 0 and joined by the others. torch is
+  imported only there, only when used.
 * :class:`HubBackend` — the local Worker's parent, which already talks to every rank,
   counts arrivals in memory (:class:`HubCoordinator`).
 
@@ -18,14 +19,10 @@ ids are in every name, so concurrent handshakes never collide.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import hmac
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,7 +32,6 @@ from ._errors import (
     HandshakeAbortedError,
     HandshakeError,
     HandshakeTimeoutError,
-    TokenMismatchError,
 )
 
 __all__ = [
@@ -43,15 +39,10 @@ __all__ = [
     "HubBackend",
     "HubCoordinator",
     "MarkerBackend",
-    "StoreBackend",
 ]
 
 _PUBLISH = Failpoint("rendezvous.handshake.publish", "about to publish a marker or key")
 _REMOVE = Failpoint("rendezvous.handshake.remove", "the leader is about to remove markers")
-_MAX_MASK_PARTICIPANTS = 31  # arrival bitmask in the low half of a signed 64-bit counter
-_LATE_RELEASE_S = 5.0  # a release key seen coming just as a wait timed out
-_ABORTED = 1 << 40  # in a store counter: the allocation was aborted
-_NO_COUNTER = "\x00"  # a value no counter or release key ever holds (see _peek)
 _ABORT_MEMORY_S = 300.0  # how long the hub remembers an aborted allocation id
 
 
@@ -177,164 +168,6 @@ class MarkerBackend:
 
     def close(self) -> None:
         pass
-
-
-def job_prefix(token: str, generation: str) -> str:
-    """Key namespace of one job: only holders of the token can derive it."""
-    mac = hmac.new(token.encode(), generation.encode(), hashlib.sha256).hexdigest()[:24]
-    return f"phx/{mac}"
-
-
-@contextlib.contextmanager
-def _normal_scheduling() -> Iterator[None]:
-    """Run the block under SCHED_OTHER on this thread. Ranks run SCHED_BATCH (a woken
-    rank must not preempt the parent mid fan-out), but the TCPStore server thread rank
-    0 starts here serves every rank's round trip: under SCHED_BATCH a request waits
-    for whatever runs on that core (handshakes took ~10% longer)."""
-    try:
-        policy = os.sched_getscheduler(0)
-    except (AttributeError, OSError):
-        yield
-        return
-    if policy == os.SCHED_OTHER:
-        yield
-        return
-    try:
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    except OSError:
-        yield  # not allowed here: the server runs as this thread does
-        return
-    try:
-        yield
-    finally:
-        os.sched_setscheduler(0, policy, os.sched_param(0))
-
-
-class StoreBackend:
-    """Keys in a c10d TCPStore created by rank 0 (``is_master``) and joined by the others.
-
-    TCPStore has no authentication of its own. Every key lives under a prefix derived
-    from the job token with HMAC, and a joining peer must find the job's marker key
-    there: a peer with the wrong token is refused at connect (TokenMismatchError) and
-    cannot name, read or disturb the job's keys.
-    """
-
-    name = "store"
-
-    def __init__(self, host: str, port: int, token: str, generation: str, *, is_master: bool,
-                 timeout: float = 60.0) -> None:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-        self.prefix = job_prefix(token, generation)
-        # libuv: its server's compare_set of a missing key wakes that key's waiters,
-        # which abort() relies on (the legacy server's does not: aborts would time out)
-        with _normal_scheduling():  # the server thread takes its creator's policy
-            self.store = TCPStore(host, port, None, is_master, timedelta(seconds=timeout),
-                                  wait_for_workers=False, use_libuv=True)
-        self.port = int(self.store.port)
-        job_key = f"{self.prefix}/job"
-        if is_master:
-            self.store.set(job_key, "1")
-        elif not self.store.check([job_key]):
-            raise TokenMismatchError(
-                f"the TCP store at {host}:{port} holds no job for this job token and generation "
-                f"{generation}: refused. Check PHALANX_JOB_TOKEN and the store address")
-
-    def _counter(self, alloc_id: int, tag: str) -> str:
-        return f"{self.prefix}/hs/{alloc_id}/{tag}"
-
-    @staticmethod
-    def _release_key(counter: str, rank: int) -> str:
-        return f"{counter}/go/{rank}"
-
-    def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
-                  timeout: float) -> None:
-        """A counter and one release key per waiting rank; two round trips for the last
-        to arrive, three for the others, and no key left once every call returned.
-
-        Arrival adds ``1 << position`` to the counter, so its low bits are the mask of who
-        arrived (a timeout names the missing ranks). The rank whose ``add`` completes the
-        mask sets every other participant's release key (``set`` is one-way: no reply to
-        wait for) and deletes the counter, which nobody reads once the mask is full. A
-        waiting rank waits for its own release key and deletes it: it is the only reader.
-        So nobody removes what another still reads, and there is no departure phase.
-        (torch's barrier: add, add, wait for everyone; its keys are never deleted.)
-        """
-        _check(tag, participants, rank)
-        if len(participants) > _MAX_MASK_PARTICIPANTS:
-            raise HandshakeError(f"the store backend handshakes at most "
-                                 f"{_MAX_MASK_PARTICIPANTS} participants, not {len(participants)}")
-        counter = self._counter(alloc_id, tag)
-        full = (1 << len(participants)) - 1
-        _PUBLISH.hit()
-        mask = self.store.add(counter, 1 << participants.index(rank))
-        if mask >= _ABORTED:  # any number of aborts: each adds _ABORTED
-            raise _aborted(tag, alloc_id, rank)
-        if mask & full != full:
-            self._wait_release(counter, full, alloc_id, tag, participants, rank, timeout)
-            return
-        for r in participants:
-            if r != rank:
-                self.store.set(self._release_key(counter, r), "1")
-        _REMOVE.hit()
-        self.store.delete_key(counter)
-
-    def _wait_release(self, counter: str, full: int, alloc_id: int, tag: str,
-                      participants: Sequence[int], rank: int, timeout: float) -> None:
-        go = self._release_key(counter, rank)
-        try:
-            self.store.wait([go], timedelta(seconds=timeout))
-        except Exception as exc:
-            # Timed out. The last arrival may be releasing right now: it sets the release
-            # keys, then deletes the counter, so a full (or deleted) counter means our
-            # key is set or about to be: wait for it a little longer.
-            mask = self._peek(counter)
-            if mask is not None and mask >= _ABORTED:
-                raise _aborted(tag, alloc_id, rank) from exc
-            if mask is not None and mask & full != full:
-                missing = [r for i, r in enumerate(participants) if not mask >> i & 1]
-                raise _timeout("arrival", tag, alloc_id, rank, missing, timeout) from exc
-            try:
-                self.store.wait([go], timedelta(seconds=_LATE_RELEASE_S))
-            except Exception as late:
-                raise _timeout("arrival", tag, alloc_id, rank, [], timeout) from late
-        if not self.store.delete_key(go):  # woken without a key: an abort (see abort())
-            raise _aborted(tag, alloc_id, rank)
-
-    def _peek(self, counter: str) -> int | None:
-        """The counter's value, or None when it does not exist; never creates it (an
-        ``add(counter, 0)`` would, and leave it behind). A ``compare_set`` that expects
-        a value no counter holds changes nothing and returns the value, or the expected
-        one for a missing key."""
-        got = self.store.compare_set(counter, _NO_COUNTER, _NO_COUNTER)
-        return None if got == _NO_COUNTER.encode() else int(got)
-
-    def abort(self, alloc_id: int, rank: int, tags: Sequence[str],
-              participants: Sequence[int]) -> None:
-        """Mark the counters aborted (a later arrival gives up at once) and wake whoever
-        waits for a release key without creating it: ``compare_set`` of a missing key
-        with a non-empty expected value wakes that key's waiters and stores nothing, so
-        a woken rank finds no key to delete and knows it was aborted. (A rank that
-        starts waiting after the wake is not woken: its timeout still bounds it.)"""
-        for tag in tags:
-            counter = self._counter(alloc_id, tag)
-            self.store.add(counter, _ABORTED)
-            for r in participants:
-                self.store.compare_set(self._release_key(counter, r), _NO_COUNTER, _NO_COUNTER)
-
-    def purge(self, alloc_id: int, tags: Sequence[str], participants: Sequence[int]) -> int:
-        removed = 0
-        for tag in tags:
-            counter = self._counter(alloc_id, tag)
-            keys = [counter, *(self._release_key(counter, r) for r in participants)]
-            removed += sum(int(self.store.delete_key(k)) for k in keys)
-        return removed
-
-    def live_markers(self) -> int:
-        return int(self.store.num_keys())
-
-    def close(self) -> None:
-        del self.store
 
 
 class HubBackend:
