@@ -141,6 +141,22 @@ def test_abort_wakes_waiters_and_refuses_late_arrivals(backend: str, tmp_path: P
     assert after == rest
 
 
+def test_store_rank_that_times_out_tells_the_others(tmp_path: Path) -> None:
+    """A rank that gives up at its deadline has taken its arrival back, so the barrier
+    can never complete: it wakes the others (aborted) instead of leaving them to wait
+    out their own, much longer, timeouts."""
+    def orch(o: phalanx.Orchestrator) -> tuple[str, list[int]]:
+        waiting = o.submit(1, _wait_for_abort, 88, [0, 1, 2])  # 120 s timeout
+        with pytest.raises(HandshakeTimeoutError, match="never arrived") as info:
+            o.submit(0, handshake, "alloc", 88, [0, 1, 2], 1.0).result()
+        return waiting.result(), info.value.missing
+
+    with phalanx.Worker(ranks=3, rendezvous="store", runtime_dir=tmp_path) as w:
+        outcome, missing = w.run(orch)
+    assert outcome == "aborted"
+    assert 2 in missing and 0 not in missing
+
+
 def test_marker_publish_failure_names_rank_tag_and_allocation(tmp_path: Path) -> None:
     with phalanx.Worker(ranks=2, rendezvous="marker", runtime_dir=tmp_path) as w:
         w.arm_failpoint("rendezvous.handshake.publish", "errno:28", ranks=1)

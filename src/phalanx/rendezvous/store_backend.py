@@ -6,23 +6,28 @@ one write and one wake per rank, no round trip between the last arrival and the
 release. torch's store-based barrier needs two to three round trips per rank, and
 leaves two keys behind per barrier; this leaves none.
 
-Per handshake (alloc id A, tag T), on two connections of the calling thread:
+Per handshake (alloc id A, tag T), on a pair of connections taken from a pool:
 
 * ``arrive`` sends ``add(mask, 1 << position)`` (who arrived: a timeout names the
-  missing) and ``barrier(count, N)`` in one write, then waits for the barrier's wake.
+  missing; an abort adds a high bit, which the arrival reads in the reply) and
+  ``barrier(count, N)`` in one write, then waits for the barrier's wake.
 * ``abort`` waits on the rank's abort key of (A, T), which nobody writes unless the
-  allocation is aborted: :meth:`StoreBackend.abort` sets it for every participant, so
-  a waiter wakes at once and a late arrival finds it set.
+  handshake is aborted: :meth:`StoreBackend.abort` sets it for every participant, so
+  a waiter wakes at once. Only a rank still waiting after 2 ms watches it (two more
+  requests that tight loops never pay); the key is set, so it is seen however late.
 * The leader (first participant) deletes ``mask`` and ``count`` once released; the
   delete replies are read before its next request on that connection (nothing can
   overtake them), so the release path has no round trip at all.
 
-Consistency under aborts and timeouts: a rank that gives up (woken by an abort, or at
-its deadline) first deletes ``count``, then cancels its wait, and reads what comes
-back. A wake before the cancel's reply means the barrier completed before the delete:
-every participant was released, so this rank returns success too. Otherwise the count
-it contributed is gone, the barrier can never complete, and it raises; so no rank
-succeeds where another gave up.
+Consistency under aborts and timeouts: a rank that gives up (aborted, or at its
+deadline) first deletes ``count``, then cancels its wait, and reads what comes back.
+A wake before the cancel's reply means the barrier completed before the delete: every
+participant was released, so this rank returns success too. Otherwise the count it
+contributed is gone and the barrier can never complete: it raises, and (at a
+deadline) sets the others' abort keys so they give up now rather than at theirs. So
+no rank succeeds where another gave up: an aborted handshake refuses its arrivals
+unless it completes with them, and then it completes for all. A rank that loses its
+connection mid-handshake withdraws through torch's client the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import logging
 import os
 import threading
 import time
@@ -37,13 +43,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from ._errors import HandshakeError, TokenMismatchError
+from ._errors import HandshakeError, HandshakeTimeoutError, TokenMismatchError
 from .handshake import _PUBLISH, _REMOVE, _aborted, _check, _timeout
 from .store_wire import STOP_WAITING, WAIT_CANCELED, StoreWire, WireError, wait_readable
 
 __all__ = ["StoreBackend", "job_prefix"]
 
-_MAX_PARTICIPANTS = 62  # the arrival mask is a signed 64-bit counter
+log = logging.getLogger("phalanx.rendezvous")
+
+_MAX_PARTICIPANTS = 56  # arrival bits of a signed 64-bit counter, under the abort bits
+_ABORTED = 1 << 56  # added to a mask by each abort: room for 127 of them
 _NO_VALUE = b"\x00"  # a value no key of ours holds: compare_set with it only reads
 _DELETE_REPLY = 8  # bytes: an int64 count
 # Most handshakes complete within a few hundred microseconds: only one still waiting
@@ -97,13 +106,12 @@ class _Keys:
 
 @dataclass
 class _Pair:
-    """A thread's two connections: one waits on the barrier, one on its abort key (a
-    connection waits for one thing at a time)."""
+    """Two connections: one waits on the barrier, one on the abort key (a connection
+    waits for one thing at a time)."""
 
     arrive: StoreWire
     abort: StoreWire
     abort_armed: bool = False  # a wait on an abort key is registered: cancel it next time
-    busy: threading.Lock = field(default_factory=threading.Lock)  # held by its handshake
 
     def close(self) -> None:
         self.arrive.close()
@@ -111,55 +119,67 @@ class _Pair:
 
 
 @dataclass
-class _Connections:
-    """One pair per thread that handshakes (tasks of concurrent runs may)."""
+class _Pool:
+    """Idle pairs. A handshake takes one (or connects a new one) and gives it back, so
+    pairs scale with concurrent handshakes (tasks of concurrent runs), not threads. A
+    pair whose state is unknown after an error is dropped, never given back."""
 
     host: str
     port: int
-    timeout: float
-    local: threading.local = field(default_factory=threading.local)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    pairs: list[_Pair] = field(default_factory=list)
+    idle: list[_Pair] = field(default_factory=list)
+    closed: bool = False
 
-    def mine(self) -> _Pair:
-        pair: _Pair | None = getattr(self.local, "pair", None)
-        if pair is None:
-            arrive = StoreWire.connect(self.host, self.port, self.timeout)
-            try:
-                pair = _Pair(arrive, StoreWire.connect(self.host, self.port, self.timeout))
-            except BaseException:
-                arrive.close()
-                raise
-            with self.lock:
-                self.pairs.append(pair)
-            self.local.pair = pair
-        return pair
-
-    def drop(self, pair: _Pair) -> None:
-        """A pair whose state is unknown after an error: the next handshake reconnects."""
+    def take(self, deadline: float) -> _Pair:
         with self.lock:
-            if pair in self.pairs:
-                self.pairs.remove(pair)
-        self.local.pair = None
+            if self.idle:
+                return self.idle.pop()
+        timeout = max(0.001, deadline - time.monotonic())
+        arrive = StoreWire.connect(self.host, self.port, timeout)
+        try:
+            timeout = max(0.001, deadline - time.monotonic())
+            return _Pair(arrive, StoreWire.connect(self.host, self.port, timeout))
+        except BaseException:
+            arrive.close()
+            raise
+
+    def give(self, pair: _Pair) -> None:
+        with self.lock:
+            if not self.closed:
+                self.idle.append(pair)
+                return
         pair.close()
 
     def settle(self, deadline: float) -> None:
-        """Read the owed replies of every pair not in a handshake right now, so the
-        deletes they sent have been applied (a pair in one has paid them already, or
-        is about to)."""
+        """Read the owed replies of the idle pairs, so the deletes they sent have been
+        applied (a pair in a handshake has read its own before anything else)."""
         with self.lock:
-            idle = [p for p in self.pairs if p.busy.acquire(blocking=False)]
-        for pair in idle:
+            pairs, self.idle = self.idle, []
+        for pair in pairs:
             try:
                 pair.arrive.pay_debts(deadline)
-            finally:
-                pair.busy.release()
+            except BaseException:
+                pair.close()
+                raise
+            self.give(pair)
 
     def close(self) -> None:
+        """Close the idle pairs; one in a handshake closes when given back."""
         with self.lock:
-            pairs, self.pairs = self.pairs, []
+            self.closed = True
+            pairs, self.idle = self.idle, []
         for pair in pairs:
             pair.close()
+
+
+@dataclass(frozen=True)
+class _Aborted:
+    """Woken by an abort (or refused at arrival), and the barrier did not complete."""
+
+
+@dataclass(frozen=True)
+class _TimedOut:
+    mask: int  # arrivals when this rank gave up
 
 
 class StoreBackend:
@@ -190,7 +210,10 @@ class StoreBackend:
             raise TokenMismatchError(
                 f"the TCP store at {host}:{port} holds no job for this job token and generation "
                 f"{generation}: refused. Check PHALANX_JOB_TOKEN and the store address")
-        self._conns = _Connections(host, self.port, timeout)
+        self._pool = _Pool(host, self.port)
+        # one pair now: the server resolves each new peer's name as it accepts it,
+        # which is better paid at start-up than inside a handshake
+        self._pool.give(self._pool.take(time.monotonic() + timeout))
 
     def _keys(self, alloc_id: int, tag: str) -> _Keys:
         base = f"{self.prefix}/hs/{alloc_id}/{tag}"
@@ -206,44 +229,57 @@ class StoreBackend:
         deadline = time.monotonic() + timeout
         _PUBLISH.hit()
         try:
-            pair = self._conns.mine()
+            pair = self._pool.take(deadline)
         except WireError as exc:
             raise HandshakeError(f"handshake {tag!r} of allocation {alloc_id}: rank {rank} "
                                  f"cannot reach the TCP store: {exc}") from exc
-        with pair.busy:
-            self._handshake(pair, keys, tag, alloc_id, participants, rank, timeout, deadline)
-
-    def _handshake(self, pair: _Pair, keys: _Keys, tag: str, alloc_id: int,
-                   participants: Sequence[int], rank: int, timeout: float,
-                   deadline: float) -> None:
         try:
-            released = self._meet(pair, keys, participants, rank, deadline)
-            if released is None:  # woken by an abort, and the barrier never completed
-                raise _aborted(tag, alloc_id, rank)
-            if not released:
-                mask = self._peek(pair.arrive, keys.mask, deadline + _GRACE_S)
-                missing = [r for i, r in enumerate(participants) if not mask >> i & 1]
-                raise _timeout("arrival", tag, alloc_id, rank, missing, timeout)
-            if rank == participants[0]:
+            outcome = self._meet(pair, keys, participants, rank, deadline)
+            if outcome is True and rank == participants[0]:
                 _REMOVE.hit()
-                pair.arrive.send(StoreWire.delete_req(keys.mask), StoreWire.delete_req(keys.count))
+                pair.arrive.send(StoreWire.delete_req(keys.mask),
+                                 StoreWire.delete_req(keys.count))
                 pair.arrive.owed += 2 * _DELETE_REPLY
-        except WireError as exc:
-            self._conns.drop(pair)
-            raise HandshakeError(f"handshake {tag!r} of allocation {alloc_id}: rank {rank} lost "
-                                 f"the TCP store: {exc}") from exc
+        except BaseException as exc:
+            pair.close()  # its replies are out of step now: never reused
+            if isinstance(exc, WireError):
+                withdrawn = self._withdraw(keys, participants, rank)
+                raise HandshakeError(
+                    f"handshake {tag!r} of allocation {alloc_id}: rank {rank} lost the TCP "
+                    f"store mid-handshake ({exc}); " + (
+                        "its arrival is withdrawn and the others are told to give up (had "
+                        "every participant arrived before, they were released)" if withdrawn
+                        else "its arrival could not be withdrawn either: the others may "
+                        "still complete the handshake without it. Check the store's host "
+                        "(rank 0) and the network")) from exc
+            raise
+        self._pool.give(pair)
+        if isinstance(outcome, _Aborted):
+            raise _aborted(tag, alloc_id, rank)
+        if isinstance(outcome, _TimedOut):
+            if outcome.mask >= _ABORTED:
+                raise _aborted(tag, alloc_id, rank)
+            missing = [r for i, r in enumerate(participants) if not outcome.mask >> i & 1]
+            if missing:
+                raise _timeout("arrival", tag, alloc_id, rank, missing, timeout)
+            raise HandshakeTimeoutError(
+                f"handshake {tag!r} of allocation {alloc_id}: rank {rank} waited {timeout:g}s "
+                f"at arrival; every participant arrived, but one gave up before the last "
+                f"one came (its own error names why)", [])
 
     def _meet(self, pair: _Pair, keys: _Keys, participants: Sequence[int], rank: int,
-              deadline: float) -> bool | None:
-        """Arrive and wait: True once released, None if aborted, False at the deadline
-        (in both of these, this rank's arrival no longer counts)."""
+              deadline: float) -> bool | _Aborted | _TimedOut:
+        """Arrive and wait: True once released; otherwise this rank's arrival no longer
+        counts, and the others are told to give up too."""
         arrive, abort = pair.arrive, pair.abort
         arrive.send(StoreWire.add_req(keys.mask, 1 << participants.index(rank)),
                     StoreWire.barrier_req(keys.count, len(participants)))
-        arrive.pay_debts(deadline)
-        arrive.read_i64(deadline)  # the mask after our arrival: nothing to decide on it
+        grace = max(deadline, time.monotonic()) + _GRACE_S  # replies due at once
+        arrive.pay_debts(grace)
+        if arrive.read_i64(grace) >= _ABORTED:  # aborted before this arrival
+            return True if self._give_up(arrive, keys, grace) else _Aborted()
         if wait_readable([arrive], min(deadline, time.monotonic() + _WATCH_ABORTS_AFTER_S)):
-            arrive.read_wake(deadline)
+            arrive.read_wake(grace)
             return True
         # Still waiting: watch this handshake's abort key too. An abort *sets* it, so
         # one that came before this wait is seen at once. (A wait still registered by an
@@ -251,17 +287,22 @@ class StoreBackend:
         abort.send(*([StoreWire.cancel_wait_req()] if pair.abort_armed else []),
                    StoreWire.wait_req(keys.abort(rank)))
         if pair.abort_armed:
-            _read_cancel(abort, deadline)
+            _read_cancel(abort, grace)
         pair.abort_armed = True
         ready = wait_readable([arrive, abort], deadline)
+        grace = max(deadline, time.monotonic()) + _GRACE_S
         if arrive in ready:
-            arrive.read_wake(deadline)
+            arrive.read_wake(grace)
             return True
         if abort in ready:
-            abort.read_wake(deadline)
+            abort.read_wake(grace)
             pair.abort_armed = False  # the wake consumed the wait
-            return True if self._give_up(arrive, keys, deadline + _GRACE_S) else None
-        return self._give_up(arrive, keys, deadline + _GRACE_S)
+            return True if self._give_up(arrive, keys, grace) else _Aborted()
+        if self._give_up(arrive, keys, grace):
+            return True
+        # the barrier cannot complete now: wake the others rather than let them wait
+        arrive.send(*(StoreWire.set_req(keys.abort(r), b"1") for r in participants if r != rank))
+        return _TimedOut(self._peek(arrive, keys.mask, grace))
 
     @staticmethod
     def _give_up(arrive: StoreWire, keys: _Keys, deadline: float) -> bool:
@@ -276,6 +317,26 @@ class StoreBackend:
                             f"{head!r}")
         return True
 
+    def _withdraw(self, keys: _Keys, participants: Sequence[int], rank: int) -> bool:
+        """After losing the connection mid-handshake, on a fresh one: take every arrival
+        back (the barrier can no longer complete) and wake the others. Best effort,
+        within a few seconds: if the store is gone, so is the handshake."""
+        deadline = time.monotonic() + _GRACE_S
+        try:
+            wire = StoreWire.connect(self._pool.host, self._pool.port, _GRACE_S)
+            try:
+                wire.send(StoreWire.delete_req(keys.count),
+                          *(StoreWire.set_req(keys.abort(r), b"1")
+                            for r in participants if r != rank))
+                wire.read_i64(deadline)
+            finally:
+                wire.close()
+        except WireError as exc:
+            log.warning("rank %d could not withdraw from handshake %s: %s", rank, keys.count,
+                        exc)
+            return False
+        return True
+
     @staticmethod
     def _peek(wire: StoreWire, key: str, deadline: float) -> int:
         """A counter's value (0 if missing) without creating it: a ``compare_set`` that
@@ -286,10 +347,14 @@ class StoreBackend:
 
     def abort(self, alloc_id: int, rank: int, tags: Sequence[str],
               participants: Sequence[int]) -> None:
-        """Set every participant's abort key (this rank's too): a waiter wakes at once,
-        and a later arrival finds its key set and gives up at once."""
+        """Mark each handshake aborted in its mask (an arrival reads it in the reply it
+        waits for anyway) and set every participant's abort key (a waiter wakes at once).
+        A rank refused this way gives up as at a timeout, so an arrival still completes
+        the handshake if it completes the barrier first: then every participant is
+        released, never only some."""
         for tag in tags:
             keys = self._keys(alloc_id, tag)
+            self.store.add(keys.mask, _ABORTED)
             for r in participants:
                 self.store.set(keys.abort(r), "1")
 
@@ -303,11 +368,11 @@ class StoreBackend:
 
     def live_markers(self) -> int:
         """Keys of this job now, once every delete this rank sent has been applied."""
-        self._conns.settle(time.monotonic() + 30.0)
+        self._pool.settle(time.monotonic() + 30.0)
         return int(self.store.num_keys())
 
     def close(self) -> None:
-        self._conns.close()
+        self._pool.close()
         del self.store
 
 

@@ -24,8 +24,8 @@ from ._errors import RendezvousError
 __all__ = ["STOP_WAITING", "WAIT_CANCELED", "StoreWire", "WireError", "wait_readable"]
 
 # torch/csrc/distributed/c10d/TCPStoreBackend.hpp (torch 2.13): QueryType and friends
-_VALIDATE, _COMPARE_SET, _ADD, _WAIT, _DELETE_KEY, _CANCEL_WAIT, _PING, _BARRIER = (
-    0, 2, 4, 6, 8, 12, 13, 18)
+_VALIDATE, _SET, _COMPARE_SET, _ADD, _WAIT, _DELETE_KEY, _CANCEL_WAIT, _PING, _BARRIER = (
+    0, 1, 2, 4, 6, 8, 12, 13, 18)
 _VALIDATION_MAGIC = 0x3C85F7CE
 STOP_WAITING, WAIT_CANCELED = 0, 1
 _KEY_PREFIX = "/"  # torch's client prefixes every key: ours must name the same keys
@@ -78,6 +78,11 @@ class StoreWire:
         return wire
 
     # -- requests ------------------------------------------------------------------
+    @staticmethod
+    def set_req(key: str, value: bytes) -> bytes:
+        """No reply (one-way); wakes whoever waits on ``key``."""
+        return bytes([_SET]) + _key(key) + _payload(value)
+
     @staticmethod
     def add_req(key: str, value: int) -> bytes:
         """Reply: the new value (``read_i64``)."""
