@@ -3,6 +3,7 @@ pinned records survive maintenance until their load is done."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -135,3 +136,44 @@ def test_maintenance_defers_a_pinned_record(tmp_path: Path, stores: Stores) -> N
     assert s.apply_job(Job(JobKind.THIN, key=short.key)) is JobOutcome.NOOP  # idempotent
     assert bytes(s.load(toks, 8)) == page_row(toks)
     assert s.check() == []
+
+
+def _descriptors_under(directory: Path) -> list[str]:
+    """Targets of this process's open descriptors of record files in ``directory``."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        if target.startswith(str(directory)) and ".kv" in target:
+            out.append(target)
+    return out
+
+
+def test_open_descriptors_follow_the_records(tmp_path: Path, stores: Stores) -> None:
+    """Record files stay open between loads, at most ``open_files`` of them; a record
+    evicted, expired or thinned gives its descriptor up at once (no deleted file's
+    space is held), and close() gives up the rest."""
+    clock = Clock()
+    s = stores.open(tmp_path, capacity_bytes=12 * 1024, max_age=10.0, clock=clock,
+                    open_files=6)
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        toks = rng.integers(0, 1000, 4 * PT)
+        s.store(toks[: 2 * PT], page_row(toks[: 2 * PT]))
+        s.store(toks, page_row(toks))  # covers the first row: maintenance thins it
+        n = s.lookup(toks)
+        assert bytes(s.load(toks, n)) == page_row(toks[: n * PT])
+        held = _descriptors_under(tmp_path)
+        assert len(held) <= 6
+        assert not [t for t in held if t.endswith("(deleted)")]
+        s.poll()  # thins and evicts as it goes
+    assert s.statistics().evictions > 0 and s.statistics().rows_thinned > 0
+    clock.t += 11.0  # everything expires
+    while s.poll():
+        pass
+    assert s.statistics().records == 0
+    assert _descriptors_under(tmp_path) == []
+    s.close()
+    assert _descriptors_under(tmp_path) == []

@@ -151,6 +151,9 @@ class ParallelReader:
 
     def read(self, fd: int, dst: memoryview, offset: int, split: bool = True) -> None:
         n = dst.nbytes
+        if (self.map_min is None or n < self.map_min) and (not split or n < 2 * self.min_part):
+            pread_full(fd, dst, offset)  # the common small read: one call, no parts
+            return
         if self.map_min is not None and n >= self.map_min:
             if os.fstat(fd).st_size < offset + n:
                 raise OSError(0, "file shorter than its header says")

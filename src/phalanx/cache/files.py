@@ -100,19 +100,23 @@ def _write_error(directory: str, key: bytes, what: str, exc: OSError) -> StoreWr
 
 def _commit(directory: str, key: bytes, write: Callable[[int], None], fsync: bool,
             written: Failpoint, committed: Failpoint, what: str,
-            on_renamed: Callable[[], None] | None = None) -> None:
+            on_renamed: Callable[[], None] | None = None, keep_open: bool = False) -> int | None:
+    """Write a temp file, rename it into place; with ``keep_open``, return its
+    descriptor (readable) instead of closing it."""
     final = os.path.join(directory, record_name(key))
     tmp = _temp_path(directory, key)
     renamed = False
+    fd = -1
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            _FP_TEMP_OPENED.hit()
-            write(fd)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        fd = os.open(tmp, (os.O_RDWR if keep_open else os.O_WRONLY) | os.O_CREAT | os.O_EXCL
+                     | os.O_CLOEXEC, 0o600)
+        _FP_TEMP_OPENED.hit()
+        write(fd)
+        if fsync:
+            os.fsync(fd)
+        if not keep_open:
+            fd, closing = -1, fd
+            os.close(closing)
         written.hit()
         os.rename(tmp, final)
         renamed = True
@@ -121,8 +125,11 @@ def _commit(directory: str, key: bytes, write: Callable[[int], None], fsync: boo
         if fsync:
             _fsync_dir(directory)
         committed.hit()
+        return fd if keep_open else None
     except BaseException as exc:  # undo on anything, KeyboardInterrupt included, re-raised
         try:
+            if fd >= 0:
+                os.close(fd)
             if renamed and what == "write":
                 _unlink_quiet(final)  # undo the commit: the caller never indexed it
             elif not renamed:
@@ -135,8 +142,10 @@ def _commit(directory: str, key: bytes, write: Callable[[int], None], fsync: boo
 
 
 def write_record(directory: str, header: RecordHeader, row: memoryview, fsync: bool,
-                 checksums: Future[list[int]] | None = None) -> None:
+                 checksums: Future[list[int]] | None = None,
+                 keep_open: bool = False) -> int | None:
     """Write header + row as ``<key>.kv`` via temp + rename. Raises StoreWriteError.
+    With ``keep_open``, returns the file's descriptor, open for reading.
 
     ``checksums``: the row's page checksums, still being computed on another thread;
     the row is written while they are, then the header with them. The file is a temp
@@ -151,7 +160,8 @@ def write_record(directory: str, header: RecordHeader, row: memoryview, fsync: b
         header.crcs = checksums.result()
         _pwrite_all(fd, header.encode(), 0)
 
-    _commit(directory, header.key, write, fsync, _FP_TEMP_WRITTEN, _FP_COMMITTED, "write")
+    return _commit(directory, header.key, write, fsync, _FP_TEMP_WRITTEN, _FP_COMMITTED,
+                   "write", keep_open=keep_open)
 
 
 def thin_record(directory: str, thinned: RecordHeader, fsync: bool,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -25,7 +25,8 @@ from .geometry import Geometry
 from .index import Index, Record
 from .keys import KeyChain, Tokens
 from .maintenance import Scheduler
-from .record import RECORD_VERSION, page_digest, record_name
+from .open_files import OpenFiles
+from .record import page_digest, record_name
 from .recovery import read_header
 from .stats import CacheStats
 
@@ -38,6 +39,7 @@ _FP_LOAD_PINNED = Failpoint("cache.load.pinned", "load planned, records pinned, 
 # (tokens or key chain, pages) or (tokens or key chain, pages, out buffer)
 LoadRequest = tuple[Tokens | KeyChain, int] | tuple[Tokens | KeyChain, int, Any]
 _Piece = tuple[Record, int, int]
+_RUN_PIECES = 16  # at most this many pieces per load_many task
 
 
 class Loads:
@@ -50,6 +52,7 @@ class Loads:
     _scheduler: Scheduler
     _stats: CacheStats
     _reader: ParallelReader
+    _files: OpenFiles
 
     def _check_open(self) -> None:
         raise NotImplementedError  # the store's
@@ -85,11 +88,12 @@ class Loads:
         record is dropped: a retry after ``lookup`` loads the rest)."""
         planned = self._plan(requests)
         pb = self.geometry.page_bytes
-        tasks: list[Callable[[], None]] = []
-        for dst, pieces in planned:
-            for rec, first, stop in pieces:
-                view = dst[first * pb : stop * pb]
-                tasks.append(partial(self._read_piece, rec, first, stop, view, split=False))
+        reads = [(rec, first, stop, dst[first * pb : stop * pb])
+                 for dst, pieces in planned for rec, first, stop in pieces]
+        # a task reads a run of pieces: small rows cost their Python overhead once per
+        # run, not per piece, and the threads still share out the tail evenly
+        run = max(1, min(_RUN_PIECES, len(reads) // (4 * self._reader.threads)))
+        tasks = [partial(self._read_run, reads[i : i + run]) for i in range(0, len(reads), run)]
         try:
             _FP_LOAD_PINNED.hit()
             self._reader.run_all(tasks)
@@ -133,28 +137,36 @@ class Loads:
                 self._stats.loads += 1
                 self._stats.loaded_bytes += dst.nbytes
 
+    def _read_run(self, reads: list[tuple[Record, int, int, memoryview]]) -> None:
+        """Read every piece, even after one failed; then raise the first failure."""
+        error: BaseException | None = None
+        for rec, first, stop, view in reads:
+            try:
+                self._read_piece(rec, first, stop, view, split=False)
+            except BaseException as exc:  # noqa: BLE001  raised once the rest are read
+                error = error or exc
+        if error is not None:
+            raise error
+
     def _read_piece(self, rec: Record, first: int, stop: int, dst: memoryview,
                     split: bool) -> None:
         pb = self.geometry.page_bytes
-        path = os.path.join(self.directory, record_name(rec.key))
-        header_len = rec.file_len - rec.row_len
-        offset = header_len + (first - rec.start) * pb
+        offset = rec.file_len - rec.row_len + (first - rec.start) * pb  # past the header
+        crcs = None
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            f = self._files.acquire(rec.key, self.directory, record_name)
             try:
                 # straight into dst (in parallel parts when large and split)
-                self._reader.read(fd, dst, offset, split)
-                crcs = None
-                digest = page_digest(RECORD_VERSION)
+                self._reader.read(f.fd, dst, offset, split)
                 if not rec.verified:
-                    h = read_header(path)
+                    h = read_header(os.path.join(self.directory, record_name(rec.key)))
                     if (h.key, h.start_page, h.end_page, h.row_len, h.thinned) != (
                         rec.key, rec.start, rec.end, rec.row_len, rec.thinned
                     ):
                         raise ValueError("its header does not match the index")
                     crcs, digest = h.crcs, page_digest(h.version)
             finally:
-                os.close(fd)
+                self._files.release(f)
         except (OSError, ValueError) as exc:
             self._corrupt(rec, f"unreadable: {exc}")
             raise RecordCorruptError(
@@ -175,6 +187,7 @@ class Loads:
 
     def _corrupt(self, rec: Record, why: str) -> None:
         log.warning("cache %s: record %s is corrupt (%s)", self.directory, rec.key.hex(), why)
+        self._files.forget(rec.key)  # a file fixed or replaced later is opened afresh
         with self._mutex:
             self._stats.corrupt_loads += 1
             if self._index.records.get(rec.key) is rec and not rec.thinned:

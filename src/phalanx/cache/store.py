@@ -36,6 +36,7 @@ from .loads import Loads
 from .lock import DirLock
 from .maintenance import Job, JobKind, JobOutcome, Scheduler
 from .manifest import check_or_create
+from .open_files import OpenFiles, default_capacity
 from .record import FLAG_THINNED, RECORD_SUFFIX, RecordHeader, page_crcs, record_name
 from .recovery import build_index_columns, no_gc, recover
 from .snapshot import collect_facts, save_snapshot, write_seal
@@ -77,6 +78,9 @@ class DiskStore(Loads):
     at once, and hash a large row while it is written. ``map_reads`` (default on): rows
     of 2 MiB and more are copied from a mapping of the file when all of it is in the
     page cache (twice preadv's speed here; see buffers.py); off, every read is preadv.
+    ``open_files`` (default: a quarter of the descriptor limit, at most 4096) record
+    files stay open between loads, least recently used out (see open_files.py); 0
+    opens and closes a file per read.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class DiskStore(Loads):
         on_job: Callable[[Job], None] | None = None,
         load_threads: int | None = None,
         map_reads: bool = True,
+        open_files: int | None = None,
     ) -> None:
         if capacity_bytes <= 0 or max_jobs_per_poll <= 0:
             raise ValueError("capacity_bytes and max_jobs_per_poll must be positive")
@@ -109,6 +114,7 @@ class DiskStore(Loads):
         self._reader = ParallelReader(
             load_threads if load_threads is not None else min(4, os.cpu_count() or 1),
             map_min=MAP_MIN if map_reads else None)
+        self._files = OpenFiles(default_capacity() if open_files is None else open_files)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self._lock = DirLock(self.directory)  # first: touch nothing before owning the dir
         try:
@@ -167,6 +173,7 @@ class DiskStore(Loads):
             # outside the mutex: a reader thread finishing a load may need it (a corrupt
             # record is dropped under it), and closing waits for those threads
             self._reader.close()
+            self._files.close()
 
     def snapshot(self) -> int:
         """Write the header snapshot now (see cache/snapshot.py), so that a reopen after
@@ -279,7 +286,8 @@ class DiskStore(Loads):
             if checksums is None:
                 header.crcs = page_crcs(view, pb)
             header.created = self._clock()
-            write_record(self.directory, header, view, self.fsync, checksums)
+            kept = write_record(self.directory, header, view, self.fsync, checksums,
+                                keep_open=self._files.capacity > 0)
         finally:
             if checksums is not None:
                 wait([checksums])  # never leave a thread reading the caller's row
@@ -292,8 +300,12 @@ class DiskStore(Loads):
             parent = self._index.root if start == 0 else self._index.nodes.get(keys[start - 1])
             if parent is None or self._state is not _State.OPEN:
                 self._index.add_orphan(rec)  # its prefix was evicted meanwhile: drop later
+                if kept is not None:
+                    os.close(kept)
             else:
                 self._index.add(rec, keys[start:], parent)
+                if kept is not None:
+                    self._files.keep(rec.key, kept)  # a record just written is read soon
             self._stats.stores += 1
             self._stats.stored_bytes += view.nbytes
         return StoreResult(keys[-1], start, end, True, size)
@@ -411,6 +423,7 @@ class DiskStore(Loads):
         if rec.pins:
             return JobOutcome.DEFERRED
         remove_record(self.directory, rec.key)
+        self._files.forget(rec.key)
         self._index.forget_orphan(rec.key)
         self._stats.dropped += 1
         return JobOutcome.DONE
@@ -423,6 +436,7 @@ class DiskStore(Loads):
             return JobOutcome.DEFERRED
         self._index.remove(rec)  # stop serving first; the file goes after
         remove_record(self.directory, rec.key)
+        self._files.forget(rec.key)
         self._index.forget_orphan(rec.key)
         if job.kind is JobKind.EXPIRE:
             self._stats.expirations += 1
@@ -443,6 +457,7 @@ class DiskStore(Loads):
                               rec.end, 0, rec.created, keys, [0] * len(keys), FLAG_THINNED)
         def renamed() -> None:
             ix.thin(rec, header.file_len)
+            self._files.forget(rec.key)  # its descriptor reads the replaced file
             self._stats.rows_thinned += 1
 
         thin_record(self.directory, header, self.fsync, renamed)
@@ -479,6 +494,7 @@ class DiskStore(Loads):
                 return False
             self._index.remove(rec)
             remove_record(self.directory, rec.key)
+            self._files.forget(rec.key)  # a load still reading keeps it until it is done
             self._index.forget_orphan(rec.key)
             self._stats.dropped += 1
             return True
