@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from pathlib import Path
@@ -24,6 +25,7 @@ from phalanx.cache.buffers import MAP_MIN
 from phalanx.cache.files import write_record
 from phalanx.cache.keys import ROOT_KEY
 from phalanx.cache.manifest import MANIFEST_NAME, read_manifest
+from phalanx.cache.open_files import OpenFiles
 from phalanx.cache.record import RecordHeader
 from phalanx.cache.snapshot import SEAL_NAME
 
@@ -251,3 +253,38 @@ def test_large_rows_load_in_parts_and_a_short_file_is_caught(tmp_path: Path,
         with pytest.raises(RecordCorruptError, match="shorter"):
             s.load(toks[2], pages)  # ...refused before the mapping
         assert s.lookup(toks[2]) == 0 and bytes(s.load(toks[0], pages)) == rows[0].tobytes()
+
+
+def test_kept_files_stay_within_bounds_and_never_close_under_a_reader(tmp_path: Path) -> None:
+    """The open-file table keeps at most ``capacity`` descriptors; one in use is never
+    closed under its reader, even when it is forgotten (its record removed) while
+    others churn the table; close() leaves no descriptor."""
+    size = 8192
+    contents = {bytes([i]) * 4: bytes([i]) * size for i in range(8)}
+    for key, data in contents.items():
+        (tmp_path / key.hex()).write_bytes(data)
+    files = OpenFiles(capacity=3)
+
+    def read_through(key: bytes) -> bytes:
+        f = files.acquire(key, str(tmp_path), bytes.hex)
+        try:
+            return os.pread(f.fd, size, 0)
+        finally:
+            files.release(f)
+
+    for _ in range(3):
+        for key, data in contents.items():
+            assert read_through(key) == data
+            assert len(files) <= 3
+    held_key = next(iter(contents))
+    held = files.acquire(held_key, str(tmp_path), bytes.hex)
+    files.forget(held_key)  # its record removed while a load reads it
+    for key in contents:  # churn: evictions all around it
+        read_through(key)
+    assert os.pread(held.fd, size, 0) == contents[held_key]
+    files.release(held)
+    with pytest.raises(OSError):
+        os.fstat(held.fd)  # closed at its last release
+    files.close()
+    assert not [fd for fd in os.listdir("/proc/self/fd")
+                if str(tmp_path) in os.path.realpath(f"/proc/self/fd/{fd}")]
