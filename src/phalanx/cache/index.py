@@ -101,7 +101,8 @@ class Index:
         pieces: list[tuple[Record, int, int]] = []
         i = n
         while i > 0:
-            rec = min(self.nodes[keys[i - 1]].covers, key=lambda r: r.start)
+            covers = self.nodes[keys[i - 1]].covers
+            rec = covers[0] if len(covers) == 1 else min(covers, key=_start)
             pieces.append((rec, rec.start, i))
             i = rec.start
         pieces.reverse()
@@ -380,3 +381,7 @@ def _subtree(top: Node) -> Iterator[Node]:
         n = stack.pop()
         yield n
         stack.extend(n.children.values())
+
+
+def _start(rec: Record) -> int:
+    return rec.start

@@ -76,8 +76,9 @@ class DiskStore(Loads):
     (tests pass their own to age records without sleeping). ``load_threads`` (default
     min(4, CPUs)) threads read one large load in parallel parts, a ``load_many`` batch
     at once, and hash a large row while it is written. ``map_reads`` (default on): rows
-    of 2 MiB and more are copied from a mapping of the file when all of it is in the
-    page cache (twice preadv's speed here; see buffers.py); off, every read is preadv.
+    of 2 MiB and more loaded into a buffer that is not 64-byte aligned are copied from
+    a mapping of the file when all of it is in the page cache (twice preadv's speed
+    into such a buffer here; see buffers.py); off, every read is preadv.
     ``open_files`` (default: a quarter of the descriptor limit, at most 4096) record
     files stay open between loads, least recently used out (see open_files.py); 0
     opens and closes a file per read.
