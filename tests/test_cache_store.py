@@ -170,6 +170,13 @@ def test_row_span_errors_and_misses(tmp_path: Path, stores: Stores) -> None:
     st = s.statistics()
     assert (st.stores, st.stores_skipped, st.misses) == (1, 1, 1)
     assert len(record_files(tmp_path)) == 1
+    for bad_out in (memoryview(bytearray(4 * PB))[::2],  # strided
+                    memoryview(bytes(2 * PB)),  # read-only
+                    bytearray(2 * PB - 1)):  # the wrong size
+        with pytest.raises(RowSpanError, match="out must be"):
+            s.load(toks, 2, out=bad_out)
+        with pytest.raises(RowSpanError, match="out must be"):
+            s.load_many([(toks, 2, bad_out)])
 
 
 def test_files_are_private(tmp_path: Path, stores: Stores) -> None:
@@ -288,3 +295,24 @@ def test_kept_files_stay_within_bounds_and_never_close_under_a_reader(tmp_path: 
     files.close()
     assert not [fd for fd in os.listdir("/proc/self/fd")
                 if str(tmp_path) in os.path.realpath(f"/proc/self/fd/{fd}")]
+
+
+def test_a_record_stored_over_an_orphans_file_serves_its_own_bytes(tmp_path: Path,
+                                                                    stores: Stores) -> None:
+    """A record that became an orphan (its prefix discarded) still has its file, named by
+    its end key; a new record with that end key replaces the file: loads read the new
+    one (not a descriptor kept for the old), and dropping the orphan later does not
+    remove the new record's file."""
+    s = stores.open(tmp_path)
+    toks = np.random.default_rng(1).integers(0, 1000, 12 * PT)
+    first = s.store(toks[: 4 * PT], page_row(toks[: 4 * PT]))
+    suffix = s.store(toks, page_row(toks[4 * PT :]))  # pages 4..12, its descriptor kept
+    s.load(toks, 12)
+    assert s.discard(first.key)  # the suffix record is an orphan now
+    whole = s.store(toks, page_row(toks))  # pages 0..12, the orphan's end key
+    assert whole.stored and whole.key == suffix.key
+    assert bytes(s.load(toks, 4)) == page_row(toks[: 4 * PT])
+    assert bytes(s.load(toks, 12)) == page_row(toks)
+    while s.poll():
+        pass
+    assert s.check() == [] and bytes(s.load(toks, 12)) == page_row(toks)

@@ -68,7 +68,7 @@ def _tensor_view(tensor: Any) -> memoryview:
 def as_out_view(out: Any, nbytes: int) -> memoryview:
     """A writable flat byte view of a load destination (buffer or CPU tensor), no copy."""
     if (type(out) is memoryview and out.format == "B" and out.ndim == 1  # a batch's usual
-            and not out.readonly and out.nbytes == nbytes):
+            and out.c_contiguous and not out.readonly and out.nbytes == nbytes):
         return out
     if type(out).__module__.startswith("torch") and not isinstance(out, memoryview):
         if out.device.type != "cpu":

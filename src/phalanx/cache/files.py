@@ -127,9 +127,12 @@ def _commit(directory: str, key: bytes, write: Callable[[int], None], fsync: boo
         committed.hit()
         return fd if keep_open else None
     except BaseException as exc:  # undo on anything, KeyboardInterrupt included, re-raised
-        try:
-            if fd >= 0:
+        if fd >= 0:
+            try:
                 os.close(fd)
+            except OSError:
+                pass  # the undo below matters more
+        try:
             if renamed and what == "write":
                 _unlink_quiet(final)  # undo the commit: the caller never indexed it
             elif not renamed:

@@ -8,8 +8,8 @@ A record that fails is dropped from the index and counted: it is never served.
 
 from __future__ import annotations
 
+import errno
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from functools import partial
@@ -25,7 +25,7 @@ from .keys import KeyChain, Tokens
 from .maintenance import Scheduler
 from .open_files import OpenFiles
 from .record import page_digest, record_name
-from .recovery import read_header
+from .recovery import read_header_at
 from .stats import CacheStats
 
 __all__ = ["LoadRequest", "Loads"]
@@ -162,7 +162,7 @@ class Loads:
                 # straight into dst (in parallel parts when large and split)
                 self._reader.read(f.fd, dst, offset, split)
                 if not rec.verified:
-                    h = read_header(os.path.join(self.directory, record_name(rec.key)))
+                    h = read_header_at(f.fd)  # the same file as the row just read
                     if (h.key, h.start_page, h.end_page, h.row_len, h.thinned) != (
                         rec.key, rec.start, rec.end, rec.row_len, rec.thinned
                     ):
@@ -171,6 +171,11 @@ class Loads:
             finally:
                 self._files.release(f)
         except (OSError, ValueError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                exc.add_note(f"loading from {self.directory}: out of file descriptors (the "
+                             "record is fine); lower DiskStore(open_files=) or raise the "
+                             "descriptor limit")
+                raise
             self._corrupt(rec, f"unreadable: {exc}")
             raise RecordCorruptError(
                 f"record {rec.key.hex()} in {self.directory} could not be read ({exc}); it is "

@@ -80,9 +80,17 @@ class OpenFiles:
 
     def keep(self, key: bytes, fd: int) -> None:
         """Adopt a descriptor of the record's file just written (the store's own, opened
-        read-write): the first load need not open it. Closes it if it cannot be kept."""
+        read-write): the first load need not open it. It replaces any descriptor held
+        for that key (of a file the new one was renamed over); it is closed if it
+        cannot be kept."""
         with self._lock:
-            if self._closed or self.capacity == 0 or key in self._table:
+            old = self._table.pop(key, None)
+            if old is not None:
+                self._forgets += 1
+                old.doomed = True
+                if old.users == 0:
+                    os.close(old.fd)
+            if self._closed or self.capacity == 0:
                 spare = [fd]
             else:
                 self._table[key] = OpenFile(fd)

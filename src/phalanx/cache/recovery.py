@@ -123,17 +123,22 @@ def read_header(path: str) -> RecordHeader:
     """Read and check one record's header and length. Raises HeaderError(reason)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        buf = os.pread(fd, HEADER_PROBE, 0)
-        try:
-            header = RecordHeader.decode(buf)
-        except HeaderError as exc:
-            if exc.reason != "short":
-                raise
-            buf = os.pread(fd, exc.needed, 0)
-            header = RecordHeader.decode(buf)
-        size = os.fstat(fd).st_size
+        return read_header_at(fd)
     finally:
         os.close(fd)
+
+
+def read_header_at(fd: int) -> RecordHeader:
+    """``read_header`` of an open record file."""
+    buf = os.pread(fd, HEADER_PROBE, 0)
+    try:
+        header = RecordHeader.decode(buf)
+    except HeaderError as exc:
+        if exc.reason != "short":
+            raise
+        buf = os.pread(fd, exc.needed, 0)
+        header = RecordHeader.decode(buf)
+    size = os.fstat(fd).st_size
     if size < header.file_len:
         raise HeaderError("truncated", f"{size} bytes on disk, header says {header.file_len}")
     if size > header.file_len:

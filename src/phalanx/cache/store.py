@@ -104,6 +104,8 @@ class DiskStore(Loads):
     ) -> None:
         if capacity_bytes <= 0 or max_jobs_per_poll <= 0:
             raise ValueError("capacity_bytes and max_jobs_per_poll must be positive")
+        if open_files is not None and open_files < 0:
+            raise ValueError(f"open_files must be 0 (none kept) or more, not {open_files}")
         self.directory = os.fspath(directory)
         self.geometry = geometry
         self.fingerprint = fingerprint_digest(fingerprint)
@@ -268,9 +270,13 @@ class DiskStore(Loads):
         with self._mutex:
             self._check_open()
             cached = self._index.cached_pages(keys)
-            if cached >= end or keys[-1] in self._inflight:
+            orphan = self._index.orphans.get(keys[-1])
+            if cached >= end or keys[-1] in self._inflight or (orphan and orphan.pins):
+                # (a pinned orphan's file, which this one would replace, is being read)
                 self._stats.stores_skipped += 1
                 return StoreResult(keys[-1], start, end, False, 0)
+            if orphan is not None:  # its file has this record's name: drop it first
+                self._drop_orphan_locked(orphan)
             if start > cached:
                 raise RowSpanError(
                     f"row covers pages {start}..{end} but only {cached} pages are cached: a "
@@ -289,24 +295,31 @@ class DiskStore(Loads):
             header.created = self._clock()
             kept = write_record(self.directory, header, view, self.fsync, checksums,
                                 keep_open=self._files.capacity > 0)
-        finally:
-            if checksums is not None:
-                wait([checksums])  # never leave a thread reading the caller's row
+        except BaseException:
             with self._mutex:
                 self._reserved -= size
                 self._inflight.discard(keys[-1])
-        with self._mutex:
+            raise
+        finally:
+            if checksums is not None:
+                wait([checksums])  # never leave a thread reading the caller's row
+        with self._mutex:  # in flight until indexed: a second store of it is skipped
+            self._reserved -= size
+            self._inflight.discard(keys[-1])
             rec = Record(header.key, header.parent, start, end, view.nbytes, size,
                          header.created, thinned=False, verified=True)
             parent = self._index.root if start == 0 else self._index.nodes.get(keys[start - 1])
-            if parent is None or self._state is not _State.OPEN:
-                self._index.add_orphan(rec)  # its prefix was evicted meanwhile: drop later
+            try:
+                if parent is None or self._state is not _State.OPEN:
+                    self._index.add_orphan(rec)  # its prefix was evicted meanwhile: drop later
+                else:
+                    self._index.add(rec, keys[start:], parent)
+                    if kept is not None:
+                        self._files.keep(rec.key, kept)  # a record just written is read soon
+                        kept = None
+            finally:
                 if kept is not None:
                     os.close(kept)
-            else:
-                self._index.add(rec, keys[start:], parent)
-                if kept is not None:
-                    self._files.keep(rec.key, kept)  # a record just written is read soon
             self._stats.stores += 1
             self._stats.stored_bytes += view.nbytes
         return StoreResult(keys[-1], start, end, True, size)
@@ -423,11 +436,14 @@ class DiskStore(Loads):
             return JobOutcome.NOOP
         if rec.pins:
             return JobOutcome.DEFERRED
+        self._drop_orphan_locked(rec)
+        return JobOutcome.DONE
+
+    def _drop_orphan_locked(self, rec: Record) -> None:
+        self._files.forget(rec.key)  # first: a failed unlink keeps no descriptor
         remove_record(self.directory, rec.key)
-        self._files.forget(rec.key)
         self._index.forget_orphan(rec.key)
         self._stats.dropped += 1
-        return JobOutcome.DONE
 
     def _apply_remove(self, job: Job) -> JobOutcome:
         rec = self._index.records.get(job.key)
@@ -436,8 +452,8 @@ class DiskStore(Loads):
         if rec.pins:
             return JobOutcome.DEFERRED
         self._index.remove(rec)  # stop serving first; the file goes after
-        remove_record(self.directory, rec.key)
         self._files.forget(rec.key)
+        remove_record(self.directory, rec.key)
         self._index.forget_orphan(rec.key)
         if job.kind is JobKind.EXPIRE:
             self._stats.expirations += 1
@@ -494,8 +510,8 @@ class DiskStore(Loads):
             if rec is None:
                 return False
             self._index.remove(rec)
-            remove_record(self.directory, rec.key)
             self._files.forget(rec.key)  # a load still reading keeps it until it is done
+            remove_record(self.directory, rec.key)
             self._index.forget_orphan(rec.key)
             self._stats.dropped += 1
             return True
