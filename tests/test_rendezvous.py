@@ -157,14 +157,27 @@ def test_store_rank_that_times_out_tells_the_others(tmp_path: Path) -> None:
     assert 2 in missing and 0 not in missing
 
 
-def test_marker_publish_failure_names_rank_tag_and_allocation(tmp_path: Path) -> None:
-    with phalanx.Worker(ranks=2, rendezvous="marker", runtime_dir=tmp_path) as w:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_publish_failure_names_rank_tag_and_allocation(backend: str, tmp_path: Path) -> None:
+    with phalanx.Worker(ranks=2, rendezvous=backend, runtime_dir=tmp_path) as w:
         w.arm_failpoint("rendezvous.handshake.publish", "errno:28", ranks=1)
         with pytest.raises(HandshakeError) as info:
             w.run(lambda o: [f.result() for f in reversed([
                 o.submit(r, handshake, "alloc", 9, [0, 1], 2.0) for r in o.ranks])])
         msg = str(info.value)
         assert "rank 1" in msg and "'alloc'" in msg and "allocation 9" in msg and "28" in msg
+
+
+@pytest.mark.parametrize("backend", ["marker", "store"])
+def test_remove_failure_names_rank_tag_and_allocation(backend: str, tmp_path: Path) -> None:
+    with phalanx.Worker(ranks=2, rendezvous=backend, runtime_dir=tmp_path) as w:
+        w.arm_failpoint("rendezvous.handshake.remove", "errno:5", ranks=0)
+        with pytest.raises(HandshakeError) as info:
+            w.run(lambda o: [f.result() for f in [
+                o.submit(r, handshake, "release", 4, [0, 1], 5.0) for r in o.ranks]])
+        msg = str(info.value)
+        assert "rank 0 (leader)" in msg and "'release'" in msg and "allocation 4" in msg
+        assert "errno 5" in msg
 
 
 def test_store_peer_with_wrong_token_is_refused(tmp_path: Path) -> None:

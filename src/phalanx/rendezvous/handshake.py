@@ -181,7 +181,12 @@ class HubBackend:
     def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
                   timeout: float) -> None:
         _check(tag, participants, rank)
-        _PUBLISH.hit()
+        try:
+            _PUBLISH.hit()
+        except OSError as err:
+            raise HandshakeError(
+                f"rank {rank} could not publish its arrival at handshake {tag!r} of "
+                f"allocation {alloc_id}: errno {err.errno} ({err.strerror})") from err
         missing = self._request(("arrive", alloc_id, tag, tuple(participants), rank, timeout),
                                 timeout + 5)
         if missing is None:

@@ -42,6 +42,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal
 
 from ._errors import HandshakeError, HandshakeTimeoutError, TokenMismatchError
 from .handshake import _PUBLISH, _REMOVE, _aborted, _check, _timeout
@@ -155,13 +156,18 @@ class _Pool:
         applied (a pair in a handshake has read its own before anything else)."""
         with self.lock:
             pairs, self.idle = self.idle, []
+        error: BaseException | None = None
         for pair in pairs:
-            try:
-                pair.arrive.pay_debts(deadline)
-            except BaseException:
-                pair.close()
-                raise
+            if error is None:
+                try:
+                    pair.arrive.pay_debts(deadline)
+                except BaseException as exc:  # noqa: BLE001  raised once the rest are back
+                    pair.close()
+                    error = exc
+                    continue
             self.give(pair)
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Close the idle pairs; one in a handshake closes when given back."""
@@ -227,7 +233,12 @@ class StoreBackend:
                                  f"participants, not {len(participants)}")
         keys = self._keys(alloc_id, tag)
         deadline = time.monotonic() + timeout
-        _PUBLISH.hit()
+        try:
+            _PUBLISH.hit()
+        except OSError as err:
+            raise HandshakeError(
+                f"rank {rank} could not publish its arrival at handshake {tag!r} of "
+                f"allocation {alloc_id}: errno {err.errno} ({err.strerror})") from err
         try:
             pair = self._pool.take(deadline)
         except WireError as exc:
@@ -236,10 +247,7 @@ class StoreBackend:
         try:
             outcome = self._meet(pair, keys, participants, rank, deadline)
             if outcome is True and rank == participants[0]:
-                _REMOVE.hit()
-                pair.arrive.send(StoreWire.delete_req(keys.mask),
-                                 StoreWire.delete_req(keys.count))
-                pair.arrive.owed += 2 * _DELETE_REPLY
+                self._remove(pair, keys, tag, alloc_id, rank)
         except BaseException as exc:
             pair.close()  # its replies are out of step now: never reused
             if isinstance(exc, WireError):
@@ -267,8 +275,20 @@ class StoreBackend:
                 f"at arrival; every participant arrived, but one gave up before the last "
                 f"one came (its own error names why)", [])
 
+    @staticmethod
+    def _remove(pair: _Pair, keys: _Keys, tag: str, alloc_id: int, rank: int) -> None:
+        """The leader, released: delete the handshake's keys (replies read later)."""
+        try:
+            _REMOVE.hit()
+        except OSError as err:
+            raise HandshakeError(
+                f"rank {rank} (leader) could not remove the keys of handshake {tag!r} of "
+                f"allocation {alloc_id}: errno {err.errno} ({err.strerror})") from err
+        pair.arrive.send(StoreWire.delete_req(keys.mask), StoreWire.delete_req(keys.count))
+        pair.arrive.owed += 2 * _DELETE_REPLY
+
     def _meet(self, pair: _Pair, keys: _Keys, participants: Sequence[int], rank: int,
-              deadline: float) -> bool | _Aborted | _TimedOut:
+              deadline: float) -> Literal[True] | _Aborted | _TimedOut:
         """Arrive and wait: True once released; otherwise this rank's arrival no longer
         counts, and the others are told to give up too."""
         arrive, abort = pair.arrive, pair.abort
