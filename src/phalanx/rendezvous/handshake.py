@@ -71,6 +71,16 @@ def _aborted(tag: str, alloc_id: int, rank: int) -> HandshakeAbortedError:
         f"another participant aborted the allocation (its own error names the cause)")
 
 
+def publish_point(tag: str, alloc_id: int, rank: int) -> None:
+    """The publish failpoint of a backend without files: its error is the handshake's."""
+    try:
+        _PUBLISH.hit()
+    except OSError as err:
+        raise HandshakeError(
+            f"rank {rank} could not publish its arrival at handshake {tag!r} of "
+            f"allocation {alloc_id}: errno {err.errno} ({err.strerror})") from err
+
+
 def _check(tag: str, participants: Sequence[int], rank: int) -> None:
     if rank not in participants:
         raise HandshakeError(f"rank {rank} is not a participant of handshake {tag!r} "
@@ -181,12 +191,7 @@ class HubBackend:
     def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
                   timeout: float) -> None:
         _check(tag, participants, rank)
-        try:
-            _PUBLISH.hit()
-        except OSError as err:
-            raise HandshakeError(
-                f"rank {rank} could not publish its arrival at handshake {tag!r} of "
-                f"allocation {alloc_id}: errno {err.errno} ({err.strerror})") from err
+        publish_point(tag, alloc_id, rank)
         missing = self._request(("arrive", alloc_id, tag, tuple(participants), rank, timeout),
                                 timeout + 5)
         if missing is None:

@@ -45,7 +45,7 @@ from datetime import timedelta
 from typing import Literal
 
 from ._errors import HandshakeError, HandshakeTimeoutError, TokenMismatchError
-from .handshake import _PUBLISH, _REMOVE, _aborted, _check, _timeout
+from .handshake import _REMOVE, _aborted, _check, _timeout, publish_point
 from .store_wire import STOP_WAITING, WAIT_CANCELED, StoreWire, WireError, wait_readable
 
 __all__ = ["StoreBackend", "job_prefix"]
@@ -233,12 +233,7 @@ class StoreBackend:
                                  f"participants, not {len(participants)}")
         keys = self._keys(alloc_id, tag)
         deadline = time.monotonic() + timeout
-        try:
-            _PUBLISH.hit()
-        except OSError as err:
-            raise HandshakeError(
-                f"rank {rank} could not publish its arrival at handshake {tag!r} of "
-                f"allocation {alloc_id}: errno {err.errno} ({err.strerror})") from err
+        publish_point(tag, alloc_id, rank)
         try:
             pair = self._pool.take(deadline)
         except WireError as exc:
