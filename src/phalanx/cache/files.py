@@ -115,8 +115,8 @@ def _commit(directory: str, key: bytes, write: Callable[[int], None], fsync: boo
         if fsync:
             os.fsync(fd)
         if not keep_open:
-            fd, closing = -1, fd
-            os.close(closing)
+            os.close(fd)
+            fd = -1
         written.hit()
         os.rename(tmp, final)
         renamed = True

@@ -84,17 +84,12 @@ class OpenFiles:
         for that key (of a file the new one was renamed over); it is closed if it
         cannot be kept."""
         with self._lock:
-            old = self._table.pop(key, None)
-            if old is not None:
-                self._forgets += 1
-                old.doomed = True
-                if old.users == 0:
-                    os.close(old.fd)
+            spare = self._forget_locked(key) if key in self._table else []
             if self._closed or self.capacity == 0:
-                spare = [fd]
+                spare.append(fd)
             else:
                 self._table[key] = OpenFile(fd)
-                spare = self._trim_locked()
+                spare += self._trim_locked()
         for d in spare:
             os.close(d)
 
@@ -108,14 +103,18 @@ class OpenFiles:
     def forget(self, key: bytes) -> None:
         """The record's file was removed or replaced: stop handing out its descriptor."""
         with self._lock:
-            self._forgets += 1
-            f = self._table.pop(key, None)
-            if f is None:
-                return
-            f.doomed = True
-            close = f.users == 0
-        if close:
-            os.close(f.fd)
+            spare = self._forget_locked(key)
+        for d in spare:
+            os.close(d)
+
+    def _forget_locked(self, key: bytes) -> list[int]:
+        """Take the key's descriptor out of the table: the one to close now, if idle."""
+        self._forgets += 1
+        f = self._table.pop(key, None)
+        if f is None:
+            return []
+        f.doomed = True
+        return [f.fd] if f.users == 0 else []
 
     def __len__(self) -> int:
         return len(self._table)

@@ -104,6 +104,10 @@ class _Keys:
     def abort(self, rank: int) -> str:
         return f"{self.abort_prefix}/{rank}"
 
+    def wake_others(self, participants: Sequence[int], rank: int) -> list[bytes]:
+        """Requests that set every other participant's abort key (one-way)."""
+        return [StoreWire.set_req(self.abort(r), b"1") for r in participants if r != rank]
+
 
 @dataclass
 class _Pair:
@@ -316,7 +320,7 @@ class StoreBackend:
         if self._give_up(arrive, keys, grace):
             return True
         # the barrier cannot complete now: wake the others rather than let them wait
-        arrive.send(*(StoreWire.set_req(keys.abort(r), b"1") for r in participants if r != rank))
+        arrive.send(*keys.wake_others(participants, rank))
         return _TimedOut(self._peek(arrive, keys.mask, grace))
 
     @staticmethod
@@ -340,9 +344,7 @@ class StoreBackend:
         try:
             wire = StoreWire.connect(self._pool.host, self._pool.port, _GRACE_S)
             try:
-                wire.send(StoreWire.delete_req(keys.count),
-                          *(StoreWire.set_req(keys.abort(r), b"1")
-                            for r in participants if r != rank))
+                wire.send(StoreWire.delete_req(keys.count), *keys.wake_others(participants, rank))
                 wire.read_i64(deadline)
             finally:
                 wire.close()

@@ -7,8 +7,8 @@ requests in one write and read the replies later, in order, as long as it knows 
 replies to expect. :class:`StoreWire` does exactly that for the handful of commands the
 store handshake uses; the store itself (server, job key, counting keys) stays torch's.
 
-Replies a caller chose not to read yet are *owed*: they are read (and checked) before
-the reply of the next request, since nothing on the connection can overtake them.
+Replies a caller chose not to read yet are *owed*: they are read before the reply of
+the next request, since nothing on the connection can overtake them.
 """
 
 from __future__ import annotations
@@ -68,13 +68,16 @@ class StoreWire:
         sock.settimeout(None)  # every read below has its own deadline
         wire = cls(sock, address, bytearray())
         nonce = int(time.monotonic_ns()) & 0xFFFFFFFF
-        wire.send(struct.pack("=BI", _VALIDATE, _VALIDATION_MAGIC),
-                  struct.pack("=BI", _PING, nonce))
-        echoed = struct.unpack("=I", wire.read(4, time.monotonic() + timeout))[0]
-        if echoed != nonce:
+        try:
+            wire.send(struct.pack("=BI", _VALIDATE, _VALIDATION_MAGIC),
+                      struct.pack("=BI", _PING, nonce))
+            echoed = struct.unpack("=I", wire.read(4, time.monotonic() + timeout))[0]
+            if echoed != nonce:
+                raise WireError(f"the TCP store at {address} does not speak torch 2.13's "
+                                f"store protocol (ping echoed {echoed}, sent {nonce})")
+        except BaseException:
             wire.close()
-            raise WireError(f"the TCP store at {address} does not speak torch 2.13's store "
-                            f"protocol (ping echoed {echoed}, sent {nonce})")
+            raise
         return wire
 
     # -- requests ------------------------------------------------------------------
