@@ -291,7 +291,7 @@ class ParallelReader:
     def _get_pool(self) -> ThreadPoolExecutor | None:
         with self._lock:
             if self._pool is None and not self._closed:
-                self._pool = ThreadPoolExecutor(self.threads - 1, "phalanx-cache-read")
+                self._pool = ThreadPoolExecutor(self.threads - 1, "phalanx-cache-io")
             return self._pool
 
     def close(self) -> None:

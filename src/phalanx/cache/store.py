@@ -2,10 +2,12 @@
 
 One directory per rank and model. Records are span files (see record.py); the index
 (index.py) is rebuilt from their headers at open (recovery.py); maintenance is a stream
-of jobs (maintenance.py) applied in bounded bursts by ``poll()``.
+of jobs (maintenance.py) applied in bounded bursts by ``poll()``. The write side is
+stores.py, the read side loads.py.
 
 Thread safety: one mutex guards the index and counters. File writes and load reads run
-outside it; a load pins the records it reads so maintenance defers jobs on them.
+outside it; a load pins the records it reads, and a store the prefix it extends, so
+maintenance defers jobs on them.
 """
 
 from __future__ import annotations
@@ -16,9 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import wait
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from phalanx.lifecycle.failpoints import Failpoint
 
@@ -27,26 +27,26 @@ from ._errors import (
     RowSpanError,
     StoreClosedError,
 )
-from .buffers import MAP_MIN, ParallelReader, as_byte_view
-from .files import is_temp_name, purge_temp, quarantine, remove_record, thin_record, write_record
+from .buffers import MAP_MIN, ParallelReader
+from .files import is_temp_name, purge_temp, quarantine, remove_record, thin_record
 from .geometry import Geometry
 from .index import Record
-from .keys import ROOT_KEY, KeyChain, Tokens, fingerprint_digest, page_keys
+from .keys import KeyChain, Tokens, fingerprint_digest, page_keys
 from .loads import Loads
 from .lock import DirLock
 from .maintenance import Job, JobKind, JobOutcome, Scheduler
 from .manifest import check_or_create
 from .open_files import OpenFiles, default_capacity
-from .record import FLAG_THINNED, RECORD_SUFFIX, RecordHeader, page_crcs, record_name
+from .record import FLAG_THINNED, RECORD_SUFFIX, RecordHeader, record_name
 from .recovery import build_index_columns, no_gc, recover
 from .snapshot import collect_facts, save_snapshot, write_seal
 from .stats import CacheStats
+from .stores import StoreResult, Stores
 
 __all__ = ["DiskStore", "StoreResult"]
 
 log = logging.getLogger("phalanx.cache")
 
-_OVERLAP_MIN = 1 << 20  # below, a thread hand-off costs more than the hash it overlaps
 _FP_SEAL = Failpoint("cache.close.seal", "close wrote the snapshot; about to seal it")
 
 BadFilePolicy = Literal["quarantine", "delete"]
@@ -57,16 +57,7 @@ class _State(enum.Enum):
     CLOSED = "closed"  # lock released; every call raises StoreClosedError
 
 
-@dataclass(frozen=True)
-class StoreResult:
-    key: bytes  # key of the record's end page
-    start_page: int
-    end_page: int
-    stored: bool  # False: every page was cached already (nothing written)
-    bytes_written: int
-
-
-class DiskStore(Loads):
+class DiskStore(Loads, Stores):
     """Persistent prefix-cache records of one rank in ``directory``.
 
     ``capacity_bytes`` bounds the bytes of record files (headers included);
@@ -75,7 +66,8 @@ class DiskStore(Loads):
     on power loss, and the page CRCs catch torn ones). ``clock`` gives wall time
     (tests pass their own to age records without sleeping). ``load_threads`` (default
     min(4, CPUs)) threads read one large load in parallel parts, a ``load_many`` batch
-    at once, and hash a large row while it is written. ``map_reads`` (default on): rows
+    at once, write a ``store_many`` batch at once, and hash a lone large row while it
+    is written. ``map_reads`` (default on): rows
     of 2 MiB and more loaded into a buffer that is not 64-byte aligned are copied from
     a mapping of the file when all of it is in the page cache (twice preadv's speed
     into such a buffer here; see buffers.py); off, every read is preadv.
@@ -222,6 +214,9 @@ class DiskStore(Loads):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _is_open(self) -> bool:
+        return self._state is _State.OPEN
+
     def _check_open(self) -> None:
         if self._state is not _State.OPEN:
             raise StoreClosedError(f"cache store {self.directory} is closed")
@@ -241,88 +236,6 @@ class DiskStore(Loads):
                 raise RowSpanError("an empty KeyChain has no page to cache")
             return tokens.keys if limit is None else tokens.keys[:limit]
         return page_keys(tokens, self.geometry.page_tokens, self.fingerprint, limit)
-
-    def store(self, tokens: Tokens | KeyChain, row: Any) -> StoreResult:
-        """Store the KV ``row`` of the last ``len(row) / page_bytes`` full pages of tokens.
-
-        A row may start at any page up to the cached prefix (overlapping cached pages
-        is allowed: maintenance thins the rows it makes redundant). Raises RowSpanError
-        for bad sizes or a gap, CapacityError, StoreWriteError/DiskFullError (nothing
-        visible; the store keeps serving).
-        """
-        view = as_byte_view(row)
-        pb = self.geometry.page_bytes
-        if not view.nbytes or view.nbytes % pb:
-            raise RowSpanError(
-                f"row of {view.nbytes} bytes is not a positive multiple of the page size "
-                f"{pb} ({self.geometry})"
-            )
-        keys = self._keys(tokens)
-        end = len(keys)
-        start = end - view.nbytes // pb
-        if start < 0:
-            raise RowSpanError(f"row holds {view.nbytes // pb} pages, tokens only {end}")
-        header = RecordHeader(
-            self.geometry, self.fingerprint, keys[-1], keys[start - 1] if start else ROOT_KEY,
-            start, end, view.nbytes, 0.0, keys[start:], [],
-        )
-        size = header.file_len
-        with self._mutex:
-            self._check_open()
-            cached = self._index.cached_pages(keys)
-            orphan = self._index.orphans.get(keys[-1])
-            if cached >= end or keys[-1] in self._inflight or (orphan and orphan.pins):
-                # (a pinned orphan's file, which this one would replace, is being read)
-                self._stats.stores_skipped += 1
-                return StoreResult(keys[-1], start, end, False, 0)
-            if orphan is not None:  # its file has this record's name: drop it first
-                self._drop_orphan_locked(orphan)
-            if start > cached:
-                raise RowSpanError(
-                    f"row covers pages {start}..{end} but only {cached} pages are cached: a "
-                    f"row must start at or before page {cached} (no gaps)"
-                )
-            self._make_room_locked(size)
-            self._reserved += size
-            self._inflight.add(keys[-1])
-        # a large row's checksums are computed on a reader thread while this one writes
-        # the row (both release the GIL): the store costs its write, not write + hash
-        checksums = (self._reader.submit(page_crcs, view, pb)
-                     if view.nbytes >= _OVERLAP_MIN else None)
-        try:
-            if checksums is None:
-                header.crcs = page_crcs(view, pb)
-            header.created = self._clock()
-            kept = write_record(self.directory, header, view, self.fsync, checksums,
-                                keep_open=self._files.capacity > 0)
-        except BaseException:
-            with self._mutex:
-                self._reserved -= size
-                self._inflight.discard(keys[-1])
-            raise
-        finally:
-            if checksums is not None:
-                wait([checksums])  # never leave a thread reading the caller's row
-        with self._mutex:  # in flight until indexed: a second store of it is skipped
-            self._reserved -= size
-            self._inflight.discard(keys[-1])
-            rec = Record(header.key, header.parent, start, end, view.nbytes, size,
-                         header.created, thinned=False, verified=True)
-            parent = self._index.root if start == 0 else self._index.nodes.get(keys[start - 1])
-            try:
-                if parent is None or self._state is not _State.OPEN:
-                    self._index.add_orphan(rec)  # its prefix was evicted meanwhile: drop later
-                else:
-                    self._index.add(rec, keys[start:], parent)
-                    if kept is not None:
-                        self._files.keep(rec.key, kept)  # a record just written is read soon
-                        kept = None
-            finally:
-                if kept is not None:
-                    os.close(kept)
-            self._stats.stores += 1
-            self._stats.stored_bytes += view.nbytes
-        return StoreResult(keys[-1], start, end, True, size)
 
     def lookup(self, tokens: Tokens | KeyChain) -> int:
         """Pages of the longest cached page-aligned prefix of ``tokens`` (0 on a miss).

@@ -1,8 +1,9 @@
 """``phalanx bench cache-disk``: the disk store beside a plain-file baseline and LMCache.
 
 Per row size (256 KiB, 4 MiB, 32 MiB by default), in the same run: DiskStore store and
-load (``load_many`` of the whole batch, as LMCache gets one load task for its batch; and
-``load`` row after row, ``load_each_gbps``), a plain-Python baseline writing the same
+load (``store_many`` and ``load_many`` of the whole batch, as LMCache gets one store
+task and one load task for its batch; and ``store`` and ``load`` row after row,
+``store_each_gbps`` and ``load_each_gbps``), a plain-Python baseline writing the same
 bytes as one file per row (open, write, rename; same fsync policy) and reading them
 back (open, readinto), and LMCache's ``fs_native`` disk path (its best; four C++ I/O
 workers) through a driver run by the LMCache venv's python, one process per rep. Reps
@@ -48,7 +49,7 @@ RECOVERY_GEOMETRY = Geometry(layers=1, kv_heads=1, head_dim=8, dtype="float16", 
 DRIVER = Path(__file__).with_name("_lmcache_driver.py")
 
 
-def _timed(fn: Callable[[], None]) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     os.sync()
     t0 = time.perf_counter()
     fn()
@@ -78,30 +79,46 @@ print(t)
 
 
 def _phalanx_case(root: Path, rows: list[memoryview], fsync: bool,
-                  dst: list[memoryview]) -> tuple[float, float, float]:
+                  dst: list[memoryview]) -> tuple[float, float, float, float]:
+    """Seconds of (store_many, store each, load_many, load each) of the same rows.
+
+    ``store_many`` of the batch (LMCache too gets one store task for its batch) and,
+    into a second store, ``store`` row after row; then ``load_many`` of the batch
+    (LMCache's one load task) and ``load`` row after row from the first."""
     g = BENCH_GEOMETRY
     pages = rows[0].nbytes // g.page_bytes
     toks = [np.arange(i * pages * 64, (i + 1) * pages * 64) for i in range(len(rows))]
     total = sum(r.nbytes for r in rows)
-    store = DiskStore(root, g, "bench", capacity_bytes=2 * total + (1 << 30), fsync=fsync,
-                      progress=False)
+
+    def open_store(d: Path) -> DiskStore:
+        return DiskStore(d, g, "bench", capacity_bytes=2 * total + (1 << 30), fsync=fsync,
+                         progress=False)
+
+    store = open_store(root)
     try:
-        def put() -> None:
-            for t, r in zip(toks, rows, strict=True):
-                store.store(t, r)
-
-        # a server hashes a request's pages once (lookup) and loads by that key chain
+        # a server hashes a request's pages once (lookup), then stores and loads by
+        # that key chain
         chains = [store.chain(t) for t in toks]
+        t_store = _timed(lambda: store.store_many(list(zip(chains, rows, strict=True))))
+        one_by_one = open_store(root.with_name(root.name + "_each"))
+        try:
+            def put_each() -> None:
+                for c, r in zip(chains, rows, strict=True):
+                    one_by_one.store(c, r)
 
-        def get_batch() -> None:  # one call for the batch, as LMCache's load task
+            t_store_each = _timed(put_each)
+        finally:
+            one_by_one.close()
+            shutil.rmtree(one_by_one.directory)
+
+        def get_batch() -> None:
             store.load_many([(c, pages, d) for c, d in zip(chains, dst, strict=True)])
 
-        def get_each() -> None:  # one call per row, one after another
+        def get_each() -> None:
             for c, d in zip(chains, dst, strict=True):
                 store.load(c, pages, out=d)
 
         _clear(dst)
-        t_store = _timed(put)
         t_load = _timed(get_batch)  # first: the loads that verify page CRCs
         _check(rows, dst, "phalanx")
         _clear(dst)
@@ -111,7 +128,7 @@ def _phalanx_case(root: Path, rows: list[memoryview], fsync: bool,
             raise AssertionError("phalanx load returned different bytes")
     finally:
         store.close()
-    return t_store, t_load, t_each
+    return t_store, t_store_each, t_load, t_each
 
 
 def _clear(dst: list[memoryview]) -> None:
@@ -253,9 +270,10 @@ def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib
             total = n * b
             row: dict[str, Any] = {
                 "row_bytes": b,
-                "store_gbps": total / median([s for s, _, _ in ph]) / 1e9,
-                "load_gbps": total / median([ld for _, ld, _ in ph]) / 1e9,
-                "load_each_gbps": total / median([e for _, _, e in ph]) / 1e9,
+                "store_gbps": total / median([p[0] for p in ph]) / 1e9,
+                "store_each_gbps": total / median([p[1] for p in ph]) / 1e9,
+                "load_gbps": total / median([p[2] for p in ph]) / 1e9,
+                "load_each_gbps": total / median([p[3] for p in ph]) / 1e9,
                 "baseline_store_gbps": total / median([s for s, _ in base]) / 1e9,
                 "baseline_load_gbps": total / median([ld for _, ld in base]) / 1e9,
                 "lmcache_store_gbps": median([x["store_gbps"] for x in lmc]) if lmc else None,
@@ -263,7 +281,7 @@ def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib
             }
             if fsync_total_mib:
                 nf = max(1, (fsync_total_mib << 20) // b)
-                s_ph, _, _ = _phalanx_case(work / f"pf{b}", rows_v[:nf], True, dst[:nf])
+                s_ph, *_ = _phalanx_case(work / f"pf{b}", rows_v[:nf], True, dst[:nf])
                 s_b, _ = _baseline_case(work / f"bf{b}", rows_v[:nf], True, dst[:nf])
                 row["fsync_store_gbps"] = nf * b / s_ph / 1e9
                 row["fsync_baseline_store_gbps"] = nf * b / s_b / 1e9

@@ -1,0 +1,117 @@
+"""``store_many``: a batch of rows admitted in order, written at once, indexed in order;
+and the admission rule both store paths share: a store never evicts its own prefix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_util import GEOM, Clock, Stores, page_row, record_files, stores, temp_files
+from phalanx.cache import CapacityError, RowSpanError
+from phalanx.lifecycle import FailpointError, failpoints
+
+__all__ = ["stores"]  # the fixture, imported for pytest
+
+PT = GEOM.page_tokens
+
+
+def tree_rows(n: int, seed: int) -> list[tuple[np.ndarray, int]]:
+    """n prefixes of a random tree, each with the page its row starts at: suffix rows
+    (only the new pages) for odd ones, full rows from page 0 for even ones."""
+    rng = np.random.default_rng(seed)
+    out: list[tuple[np.ndarray, int]] = []
+    for i in range(n):
+        parent = int(rng.integers(-1, i)) if i else -1
+        base = out[parent][0] if parent >= 0 else np.zeros(0, dtype=np.int64)
+        toks = np.concatenate([base, rng.integers(0, 50_000, PT * int(rng.integers(1, 4)))])
+        out.append((toks, len(base) // PT if i % 2 else 0))
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_store_many_serves_what_single_stores_would(tmp_path: Path, stores: Stores,
+                                                    threads: int) -> None:
+    s = stores.open(tmp_path, clock=Clock(), load_threads=threads)
+    rows = tree_rows(80, seed=threads)
+    items = [(t, page_row(t[start * PT :])) for t, start in rows]
+    results = []
+    for i in range(0, len(items), 9):  # batches whose rows extend rows of the same batch
+        batch = items[i : i + 9]
+        batch.append(batch[0])  # a duplicate within the batch: skipped
+        results += s.store_many(batch)[:-1]
+    assert all(r.stored for r in results)
+    assert [r.end_page for r in results] == [len(t) // PT for t, _ in rows]
+    again = s.store_many(items[:5])  # all cached: nothing written
+    assert not any(r.stored for r in again)
+    st = s.statistics()
+    assert st.stores == len(rows) and st.stores_skipped == 9 + 5
+    for toks, _ in rows:
+        n = len(toks) // PT
+        assert s.lookup(toks) == n
+        assert bytes(s.load(toks, n)) == page_row(toks)
+    assert s.check() == [] and temp_files(tmp_path) == []
+    s.close()
+    s = stores.open(tmp_path)  # and all of it recovers
+    assert all(s.lookup(t) == len(t) // PT for t, _ in rows) and s.check() == []
+
+
+def test_store_many_refuses_bad_input_before_writing(tmp_path: Path, stores: Stores) -> None:
+    s = stores.open(tmp_path, capacity_bytes=4096)
+    a = np.arange(2 * PT)
+    s.store(a, page_row(a))
+    held = record_files(tmp_path)
+    gap = np.arange(1000, 1000 + 3 * PT)
+    ok = np.arange(5000, 5000 + PT)
+    with pytest.raises(RowSpanError, match="no gaps"):  # the second row starts past a miss
+        s.store_many([(ok, page_row(ok)), (gap, page_row(gap[PT:]))])
+    with pytest.raises(RowSpanError, match="multiple of the page size"):
+        s.store_many([(ok, page_row(ok)), (ok, page_row(ok)[:-1])])
+    big = [(np.arange(k * 100, k * 100 + 4 * PT), None) for k in range(10, 20)]
+    with pytest.raises(CapacityError, match="smaller batches"):  # more than the capacity
+        s.store_many([(t, page_row(t)) for t, _ in big])
+    # nothing written, nothing evicted, nothing left reserved or in flight
+    assert record_files(tmp_path) == held and temp_files(tmp_path) == []
+    assert s.lookup(a) == 2 and s.lookup(ok) == 0 and s.statistics().stores == 1
+    assert s.store_many([(ok, page_row(ok))])[0].stored and s.check() == []
+
+
+def test_a_failed_write_keeps_the_rest_of_the_batch(tmp_path: Path, stores: Stores) -> None:
+    s = stores.open(tmp_path, load_threads=1)  # one thread: the rows are written in order
+    a = np.arange(2 * PT)
+    b = np.concatenate([a, np.arange(100, 100 + PT)])
+    c = np.arange(200, 200 + PT)
+    d = np.concatenate([b, np.arange(300, 300 + PT)])
+    failpoints.arm("cache.store.temp_written", "raise@1*1")  # b's write fails
+    with pytest.raises(FailpointError) as err:
+        s.store_many([(a, page_row(a)), (b, page_row(b[2 * PT :])), (c, page_row(c)),
+                      (d, page_row(d[3 * PT :]))])
+    assert "3 of 4 rows to write were stored; 1 failed" in "".join(err.value.__notes__)
+    assert temp_files(tmp_path) == []
+    # a and c are served; d was written but hangs from b, which is not: never served
+    assert (s.lookup(a), s.lookup(b), s.lookup(c), s.lookup(d)) == (2, 2, 1, 2)
+    assert bytes(s.load(c, 1)) == page_row(c)
+    while s.poll():  # and maintenance drops d's file
+        pass
+    assert len(record_files(tmp_path)) == 2 and s.check() == []
+    # the batch again: only what is missing is written
+    res = s.store_many([(a, page_row(a)), (b, page_row(b[2 * PT :])), (d, page_row(d[3 * PT :]))])
+    assert [r.stored for r in res] == [False, True, True] and s.lookup(d) == 4
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["store", "store_many"])
+def test_a_store_never_evicts_the_prefix_it_extends(tmp_path: Path, stores: Stores,
+                                                     many: bool) -> None:
+    p, q = np.arange(2 * PT), np.arange(500, 500 + 2 * PT)
+    e = np.concatenate([p, np.arange(900, 900 + 2 * PT)])
+    probe = stores.open(tmp_path / "probe")
+    size = probe.store(p, page_row(p)).bytes_written  # p, q and e's row: same size
+    s = stores.open(tmp_path / "s", capacity_bytes=3 * size - 1)  # room for two
+    s.store(p, page_row(p))
+    s.store(q, page_row(q))  # p is now the least recently used leaf
+    row = page_row(e[2 * PT :])
+    res = s.store_many([(e, row)])[0] if many else s.store(e, row)
+    assert res.stored and s.lookup(e) == 4  # attached below p, not an orphan
+    assert s.lookup(q) == 0 and s.statistics().evictions == 1  # q made the room
+    assert bytes(s.load(e, 4)) == page_row(e) and s.check() == []
