@@ -3,6 +3,11 @@ and the admission rule both store paths share: a store never evicts its own pref
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -115,3 +120,71 @@ def test_a_store_never_evicts_the_prefix_it_extends(tmp_path: Path, stores: Stor
     assert res.stored and s.lookup(e) == 4  # attached below p, not an orphan
     assert s.lookup(q) == 0 and s.statistics().evictions == 1  # q made the room
     assert bytes(s.load(e, 4)) == page_row(e) and s.check() == []
+
+
+def test_rows_needing_pages_another_call_is_writing_wait_for_a_later_batch(
+    tmp_path: Path, stores: Stores
+) -> None:
+    """Two workers store the same system prompt, each with its own suffix."""
+    s = stores.open(tmp_path)
+    prompt = np.arange(2 * PT)
+    mine = np.concatenate([prompt, np.arange(100, 100 + PT)])
+    deeper = np.concatenate([mine, np.arange(200, 200 + PT)])
+    other = np.arange(300, 300 + PT)
+    failpoints.arm("cache.store.temp_written", "delay:1*1")  # the first write stalls
+    first = threading.Thread(target=s.store, args=(prompt, page_row(prompt)))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not failpoints.fired("cache.store.temp_written"):
+        assert time.monotonic() < deadline, "the first store never started writing"
+        time.sleep(0.01)
+    res = s.store_many([(prompt, page_row(prompt)), (mine, page_row(mine[2 * PT :])),
+                        (deeper, page_row(deeper[3 * PT :])), (other, page_row(other))])
+    assert [r.stored for r in res] == [False, False, False, True]  # no gap error
+    first.join(timeout=30)
+    assert not first.is_alive() and s.lookup(prompt) == 2
+    res = s.store_many([(mine, page_row(mine[2 * PT :])), (deeper, page_row(deeper[3 * PT :]))])
+    assert all(r.stored for r in res) and bytes(s.load(deeper, 4)) == page_row(deeper)
+    assert s.check() == [] and s.statistics().stores_skipped == 3
+
+
+def test_an_interrupt_mid_batch_waits_for_the_writes_under_way(tmp_path: Path) -> None:
+    """Ctrl-C while the I/O threads write: whatever got written is indexed, nothing is
+    left reserved or open, and the directory holds exactly what the index says."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import numpy as np
+        from cache_util import GEOM, FP, page_row
+        from phalanx.cache import DiskStore
+        from phalanx.lifecycle import failpoints
+        fds = set(os.listdir("/proc/self/fd"))
+        stored = 0
+        for trial in range(4):  # the interrupt lands in a write or in the wait for one
+            d = os.path.join({str(tmp_path)!r}, str(trial))
+            s = DiskStore(d, GEOM, FP, 1 << 30, progress=False, load_threads=2)
+            rows = [np.arange(i * 1000, i * 1000 + 2 * GEOM.page_tokens) for i in range(6)]
+            failpoints.arm("cache.store.temp_written", "delay:0.6@5")  # the last is slow
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+            try:
+                s.store_many([(t, page_row(t)) for t in rows])
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise SystemExit("no interrupt")
+            failpoints.disarm_all()
+            assert s.check() == [], s.check()
+            assert s._reserved == 0 and not s._inflight
+            done = [t for t in rows if s.lookup(t) == 2]
+            assert all(bytes(s.load(t, 2)) == page_row(t) for t in done)
+            stored += len(done)
+            s.close()
+        left = set(os.listdir("/proc/self/fd")) - fds
+        assert not [os.readlink(f"/proc/self/fd/{{f}}") for f in left
+                    if os.path.exists(f"/proc/self/fd/{{f}}")], left
+        print("ok", stored, flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok ")

@@ -20,7 +20,9 @@ import numpy as np
 
 from ._errors import RowSpanError
 
-__all__ = ["ParallelReader", "aligned_empty", "as_byte_view", "as_out_view", "pread_full"]
+__all__ = [
+    "ParallelReader", "aligned_empty", "as_byte_view", "as_out_view", "pread_full", "wait_all",
+]
 
 
 def aligned_empty(nbytes: int, align: int = mmap.PAGESIZE) -> np.ndarray:
@@ -146,6 +148,20 @@ def _resident(mapped: mmap.mmap) -> bool:
     return ok and bool((vec & 1).all())
 
 
+def wait_all(futures: list[Future[None]]) -> None:
+    """Wait until every future is done, through a KeyboardInterrupt too (re-raised
+    after): a task still running uses the caller's buffers and state."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as exc:  # noqa: BLE001  re-raised once all are done
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
+
+
 class ParallelReader:
     """Reads rows from files into caller memory, a large one in parallel parts.
 
@@ -239,7 +255,7 @@ class ParallelReader:
         try:
             part(0, size)
         finally:
-            wait(futures)
+            wait_all(futures)
         for f in futures:
             f.result()
 
@@ -284,7 +300,7 @@ class ParallelReader:
         try:
             drain()
         finally:
-            wait(futures)
+            wait_all(futures)
         if errors:
             raise errors[0]
 

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Literal
 
@@ -127,7 +128,7 @@ class DiskStore(Loads, Stores):
         self._mutex = threading.RLock()
         self._state = _State.OPEN
         self._reserved = 0  # bytes of writes in flight, counted against capacity
-        self._inflight: set[bytes] = set()  # end keys being written
+        self._inflight: Counter[bytes] = Counter()  # page keys of the spans being written
         self._stats = CacheStats(capacity_bytes=capacity_bytes, recovered=len(result.columns),
                                  skipped=result.skipped())
         ix = self._index
@@ -302,8 +303,9 @@ class DiskStore(Loads, Stores):
             if orphan is None and victim is None:
                 raise CapacityError(
                     f"cannot make room for {nbytes} bytes in {self.directory}: "
-                    f"{ix.bytes} bytes held, {self._reserved} in flight, nothing evictable "
-                    "(all pinned by loads); retry after the loads finish"
+                    f"{ix.bytes} bytes held, {self._reserved} of stores in flight, nothing "
+                    "evictable (every leaf is pinned by a load or by the prefix a store "
+                    "extends); retry after those finish, or store fewer rows at once"
                 )
             kind = JobKind.DROP if orphan is not None else JobKind.EVICT
             rec = orphan if orphan is not None else victim

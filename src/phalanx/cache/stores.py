@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from ._errors import CapacityError, RowSpanError
-from .buffers import ParallelReader, as_byte_view
+from .buffers import ParallelReader, as_byte_view, wait_all
 from .files import write_record
 from .geometry import Geometry
 from .index import Index, Record
@@ -52,7 +52,9 @@ class StoreResult:
     key: bytes  # key of the record's end page
     start_page: int
     end_page: int
-    stored: bool  # False: every page was cached already (nothing written)
+    # False: nothing written; every page was cached already, or another call is
+    # writing these pages or the ones they extend (store again once those are cached)
+    stored: bool
     bytes_written: int
 
 
@@ -100,7 +102,7 @@ class Stores:
     _files: OpenFiles
     _clock: Callable[[], float]
     _reserved: int  # bytes of admitted writes, counted against capacity
-    _inflight: set[bytes]  # end keys of admitted writes
+    _inflight: Counter[bytes]  # page keys of admitted writes' spans
 
     def _check_open(self) -> None:
         raise NotImplementedError  # the store's
@@ -121,9 +123,10 @@ class Stores:
         """Store the KV ``row`` of the last ``len(row) / page_bytes`` full pages of tokens.
 
         A row may start at any page up to the cached prefix (overlapping cached pages
-        is allowed: maintenance thins the rows it makes redundant). Raises RowSpanError
-        for bad sizes or a gap, CapacityError, StoreWriteError/DiskFullError (nothing
-        visible; the store keeps serving).
+        is allowed: maintenance thins the rows it makes redundant), or up to pages
+        another call is writing (then nothing is written: ``stored`` is False). Raises
+        RowSpanError for bad sizes or a gap, CapacityError, StoreWriteError/DiskFullError
+        (nothing visible; the store keeps serving).
         """
         return self._store_all([self._prepare(tokens, row)])[0]
 
@@ -131,14 +134,16 @@ class Stores:
         """``store`` of a batch of rows (a server's finished requests), results in item
         order. Rows are admitted in order, each as if the ones before it were stored (a
         row may extend an earlier row's tokens; a row whose pages an earlier row holds
-        is skipped), written at once on the store's I/O threads and the caller's
-        (``load_threads`` in all), and indexed in order.
+        is skipped, as is one that needs pages another call is still writing), written
+        at once on the store's I/O threads and the caller's (``load_threads`` in all),
+        and indexed in order. The prefixes the rows extend stay pinned until then.
 
-        Bad input (RowSpanError) or no room (CapacityError) raises before anything is
-        written. A failed write (StoreWriteError, DiskFullError) raises once every other
-        row is written and indexed: those are stored, and the error's note says how
-        many; a row that extends the failed one is never served (an orphan, dropped by
-        maintenance).
+        Bad input (RowSpanError) or no room (CapacityError: the rows, or the rows and
+        the pinned prefixes, do not fit) raises before anything is written (records may
+        have been evicted making room). A failed write (StoreWriteError, DiskFullError)
+        raises once every other row is written and indexed: those are stored, and the
+        error's note says how many; a row that extends the failed one is never served
+        (an orphan, dropped by maintenance).
         """
         return self._store_all([self._prepare(tokens, row) for tokens, row in items])
 
@@ -190,29 +195,41 @@ class Stores:
         return [w.result() if w.written else w.skipped() for w in prepared]
 
     def _admit_locked(self, prepared: list[_Write]) -> list[_Write]:
-        """Admit the rows to write, in order; the rest (all pages cached, in flight or
-        held by an earlier row) are counted as skipped and left unwritten. All or
-        nothing: on an error every row admitted so far is released."""
-        ix = self._index
-        batch: set[bytes] = set()  # keys that earlier rows of this call will cache
+        """Admit the rows to write, in order. Left unwritten and counted as skipped: a
+        row whose pages are all cached, held by an earlier row of the batch or being
+        written by another call; and a row extending pages that another call is still
+        writing, or that hang from such a row (store it again once they are cached).
+        All or nothing: on an error every row admitted so far is released, and no skip
+        is counted."""
+        ix, inflight = self._index, self._inflight
+        batch: set[bytes] = set()  # page keys that earlier rows of this call will cache
+        unsettled: set[bytes] = set()  # page keys of rows skipped for another call's write
         writes: list[_Write] = []
+        skipped = 0
         try:
             for w in prepared:  # checks first: nothing is evicted for a refused batch
                 keys, start, end = w.keys, w.start, len(w.keys)
                 cached = ix.cached_pages(keys)
-                orphan = ix.orphans.get(keys[-1])
-                if (cached >= end or keys[-1] in self._inflight or keys[-1] in batch
-                        or (orphan is not None and orphan.pins)):
-                    # (a pinned orphan's file, which this one would replace, is being read)
-                    self._stats.stores_skipped += 1
+                if cached >= end or keys[-1] in batch:
+                    skipped += 1
                     continue
+                # another call is writing these pages or the ones before them, or a load
+                # reads the orphan file this record would replace: not now
+                later = keys[-1] in inflight
                 if start > cached and keys[start - 1] not in batch:
-                    raise RowSpanError(
-                        f"row covers pages {start}..{end} but only {cached} pages are "
-                        f"cached: a row must start at or before page {cached} (no gaps)"
-                    )
-                if 0 < start <= cached:  # the prefix it extends stays while it is written
-                    w.pinned = [rec for rec, _, _ in ix.plan(keys, start)]
+                    if keys[start - 1] not in inflight and keys[start - 1] not in unsettled:
+                        raise RowSpanError(
+                            f"row covers pages {start}..{end} but only {cached} pages are "
+                            f"cached: a row must start at or before page {cached} (no gaps)"
+                        )
+                    later = True
+                orphan = ix.orphans.get(keys[-1])
+                if later or (orphan is not None and orphan.pins):
+                    unsettled.update(keys[cached:])  # rows hanging from it wait too
+                    skipped += 1
+                    continue
+                if start:  # the prefix it extends stays while it is written
+                    w.pinned = [rec for rec, _, _ in ix.plan(keys, min(start, cached))]
                     for rec in w.pinned:
                         rec.pins += 1
                 batch.update(keys[start:])
@@ -230,12 +247,14 @@ class Stores:
                     self._drop_orphan_locked(orphan)
                 self._make_room_locked(w.size)
                 self._reserved += w.size
-                self._inflight.add(w.header.key)
+                for k in w.keys[w.start :]:
+                    inflight[k] += 1
                 w.reserved = True
         except BaseException:
             for w in writes:
                 self._release_locked(w)
             raise
+        self._stats.stores_skipped += skipped
         return writes
 
     def _write(self, w: _Write, overlap: bool) -> None:
@@ -256,7 +275,7 @@ class Stores:
             w.error = exc
         finally:
             if checksums is not None:
-                wait([checksums])  # never leave a thread reading the caller's row
+                wait_all([checksums])  # never leave a thread reading the caller's row
 
     def _index_written(self, writes: list[_Write]) -> None:
         """Release every admitted row; index, in order, those written."""
@@ -268,7 +287,13 @@ class Stores:
 
     def _release_locked(self, w: _Write) -> None:
         if w.reserved:
-            self._inflight.discard(w.header.key)
+            inflight = self._inflight
+            for k in w.keys[w.start :]:
+                left = inflight[k] - 1
+                if left:
+                    inflight[k] = left
+                else:
+                    del inflight[k]
             self._reserved -= w.size
             w.reserved = False
         for rec in w.pinned:

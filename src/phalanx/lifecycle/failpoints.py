@@ -50,6 +50,7 @@ class FailpointSpecError(PhalanxError, ValueError):
 class Action(enum.Enum):
     RAISE = "raise"  # raise FailpointError at the point
     HANG = "hang"  # block for `arg` seconds (default 3600), then raise FailpointError
+    DELAY = "delay"  # block for `arg` seconds (default 1), then let the step go on
     KILL = "kill"  # SIGKILL this process: the point's step never completes
     EXIT = "exit"  # os._exit(arg or 1) without cleanup
     ERRNO = "errno"  # raise OSError(arg) as the step's system call would (root ignores modes)
@@ -121,6 +122,8 @@ def _maybe_fire(name: str) -> None:
     if arming.action is Action.HANG:
         time.sleep(3600.0 if arming.arg is None else arming.arg)
         raise FailpointError(name, _PROCESS_RANK)
+    if arming.action is Action.DELAY:  # a slow step: a window for a race to open
+        time.sleep(1.0 if arming.arg is None else arming.arg)
     if arming.action is Action.KILL:
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # SIGKILL is asynchronous; never return into the step
