@@ -7,7 +7,9 @@ task and one load task for its batch; and ``store`` and ``load`` row after row,
 bytes as one file per row (open, write, rename; same fsync policy) and reading them
 back (open, readinto), and LMCache's ``fs_native`` disk path (its best; four C++ I/O
 workers) through a driver run by the LMCache venv's python, one process per rep. Reps
-alternate the three sides, so the drift of a shared VM hits all of them alike.
+alternate the three sides, so the drift of a shared VM hits all of them alike, and
+rotate which side goes first (the first runs while the kernel still discards the
+blocks of the files the last rep deleted).
 Loads on every side read into a destination pool allocated and touched once per row
 size and reused by every rep (what an engine's KV pool is; LMCache's driver does the
 same), so no side pays page faults on fresh memory. Buffered I/O; the page cache is
@@ -82,9 +84,9 @@ def _phalanx_case(root: Path, rows: list[memoryview], fsync: bool,
                   dst: list[memoryview]) -> tuple[float, float, float, float]:
     """Seconds of (store_many, store each, load_many, load each) of the same rows.
 
-    ``store_many`` of the batch (LMCache too gets one store task for its batch) and,
-    into a second store, ``store`` row after row; then ``load_many`` of the batch
-    (LMCache's one load task) and ``load`` row after row from the first."""
+    ``store_many`` of the batch (LMCache too gets one store task for its batch), then
+    ``load_many`` of the batch (LMCache's one load task) and ``load`` row after row;
+    then, into a second store beside ``root``, ``store`` row after row."""
     g = BENCH_GEOMETRY
     pages = rows[0].nbytes // g.page_bytes
     toks = [np.arange(i * pages * 64, (i + 1) * pages * 64) for i in range(len(rows))]
@@ -100,16 +102,6 @@ def _phalanx_case(root: Path, rows: list[memoryview], fsync: bool,
         # that key chain
         chains = [store.chain(t) for t in toks]
         t_store = _timed(lambda: store.store_many(list(zip(chains, rows, strict=True))))
-        one_by_one = open_store(root.with_name(root.name + "_each"))
-        try:
-            def put_each() -> None:
-                for c, r in zip(chains, rows, strict=True):
-                    one_by_one.store(c, r)
-
-            t_store_each = _timed(put_each)
-        finally:
-            one_by_one.close()
-            shutil.rmtree(one_by_one.directory)
 
         def get_batch() -> None:
             store.load_many([(c, pages, d) for c, d in zip(chains, dst, strict=True)])
@@ -128,6 +120,12 @@ def _phalanx_case(root: Path, rows: list[memoryview], fsync: bool,
             raise AssertionError("phalanx load returned different bytes")
     finally:
         store.close()
+    with open_store(root.with_name(root.name + "_each")) as one_by_one:
+        def put_each() -> None:
+            for c, r in zip(chains, rows, strict=True):
+                one_by_one.store(c, r)
+
+        t_store_each = _timed(put_each)
     return t_store, t_store_each, t_load, t_each
 
 
@@ -223,6 +221,64 @@ def _recovery(work: Path, n: int, reps: int) -> dict[str, float]:
             "close_with_snapshot_seconds": t_close}
 
 
+def _row_size(work: Path, b: int, n: int, reps: int, fsync_total_mib: int,
+              lmcache_python: str) -> dict[str, Any]:
+    """Every side's figures for ``n`` rows of ``b`` bytes: one row of the result."""
+    # Rows and the load pool start on page boundaries, as a server's KV pool does
+    # (torch's allocations are 64-byte aligned; LMCache reads into its own): a buffer
+    # 16 bytes off a page, numpy's default, halves the kernel's copy speed on this VM
+    # for every system that reads or writes through it.
+    data = aligned_empty(n * b)
+    data[:] = np.random.default_rng(b).integers(0, 255, n * b, dtype=np.uint8)
+    rows = [data.data[i * b : (i + 1) * b] for i in range(n)]
+    pool = aligned_empty(n * b)
+    pool.fill(1)  # touched once, reused by every rep
+    dst = [pool.data[i * b : (i + 1) * b] for i in range(n)]
+    ph: list[tuple[float, float, float, float]] = []
+    base: list[tuple[float, float]] = []
+    lmc: list[dict[str, float]] = []
+    rep = work / f"rep{b}"
+
+    def lmcache_side() -> None:
+        one = _lmcache_case(lmcache_python, rep, b, n)
+        if one is not None:
+            lmc.append(one)
+
+    sides: list[Callable[[], None]] = [
+        lambda: ph.append(_phalanx_case(rep / "phalanx", rows, False, dst)),
+        lambda: base.append(_baseline_case(rep / "plain", rows, False, dst)),
+        lmcache_side,
+    ]
+    for r in range(reps):
+        # sides alternate so drift hits all three, and take turns going first: the
+        # first runs just after the last rep's files were deleted, while the kernel
+        # still discards their blocks
+        rep.mkdir(mode=0o700)
+        for side in sides[r % 3 :] + sides[: r % 3]:
+            side()
+        shutil.rmtree(rep)
+    total = n * b
+    row: dict[str, Any] = {
+        "row_bytes": b,
+        "store_gbps": total / median([p[0] for p in ph]) / 1e9,
+        "store_each_gbps": total / median([p[1] for p in ph]) / 1e9,
+        "load_gbps": total / median([p[2] for p in ph]) / 1e9,
+        "load_each_gbps": total / median([p[3] for p in ph]) / 1e9,
+        "baseline_store_gbps": total / median([s for s, _ in base]) / 1e9,
+        "baseline_load_gbps": total / median([ld for _, ld in base]) / 1e9,
+        "lmcache_store_gbps": median([x["store_gbps"] for x in lmc]) if lmc else None,
+        "lmcache_load_gbps": median([x["load_gbps"] for x in lmc]) if lmc else None,
+    }
+    if fsync_total_mib:
+        nf = max(1, (fsync_total_mib << 20) // b)
+        s_ph, s_each, *_ = _phalanx_case(work / f"pf{b}", rows[:nf], True, dst[:nf])
+        s_b, _ = _baseline_case(work / f"bf{b}", rows[:nf], True, dst[:nf])
+        row["fsync_store_gbps"] = nf * b / s_ph / 1e9
+        row["fsync_store_each_gbps"] = nf * b / s_each / 1e9
+        row["fsync_baseline_store_gbps"] = nf * b / s_b / 1e9
+    return row
+
+
 @click.command("cache-disk")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON result as the last line.")
 @click.option("--rows", default="262144,4194304,33554432", show_default=True,
@@ -248,45 +304,8 @@ def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib
                        err=True)
         out_rows = []
         for b, n in cases:
-            # Rows and the load pool start on page boundaries, as a server's KV pool
-            # does (torch's allocations are 64-byte aligned; LMCache reads into its
-            # own): a buffer 16 bytes off a page, numpy's default, halves the kernel's
-            # copy speed on this VM for every system that reads or writes through it.
-            data = aligned_empty(n * b)
-            data[:] = np.random.default_rng(b).integers(0, 255, n * b, dtype=np.uint8)
-            rows_v = [data.data[i * b : (i + 1) * b] for i in range(n)]
-            pool = aligned_empty(n * b)
-            pool.fill(1)  # touched once, reused by every rep
-            dst = [pool.data[i * b : (i + 1) * b] for i in range(n)]
-            ph, base, lmc = [], [], []
-            for r in range(reps):  # alternate sides so drift hits all three
-                ph.append(_phalanx_case(work / f"p{b}_{r}", rows_v, False, dst))
-                base.append(_baseline_case(work / f"b{b}_{r}", rows_v, False, dst))
-                one = _lmcache_case(lmcache_python, work, b, n)
-                if one is not None:
-                    lmc.append(one)
-                shutil.rmtree(work / f"p{b}_{r}")
-                shutil.rmtree(work / f"b{b}_{r}")
-            total = n * b
-            row: dict[str, Any] = {
-                "row_bytes": b,
-                "store_gbps": total / median([p[0] for p in ph]) / 1e9,
-                "store_each_gbps": total / median([p[1] for p in ph]) / 1e9,
-                "load_gbps": total / median([p[2] for p in ph]) / 1e9,
-                "load_each_gbps": total / median([p[3] for p in ph]) / 1e9,
-                "baseline_store_gbps": total / median([s for s, _ in base]) / 1e9,
-                "baseline_load_gbps": total / median([ld for _, ld in base]) / 1e9,
-                "lmcache_store_gbps": median([x["store_gbps"] for x in lmc]) if lmc else None,
-                "lmcache_load_gbps": median([x["load_gbps"] for x in lmc]) if lmc else None,
-            }
-            if fsync_total_mib:
-                nf = max(1, (fsync_total_mib << 20) // b)
-                s_ph, *_ = _phalanx_case(work / f"pf{b}", rows_v[:nf], True, dst[:nf])
-                s_b, _ = _baseline_case(work / f"bf{b}", rows_v[:nf], True, dst[:nf])
-                row["fsync_store_gbps"] = nf * b / s_ph / 1e9
-                row["fsync_baseline_store_gbps"] = nf * b / s_b / 1e9
+            row = _row_size(work, b, n, reps, fsync_total_mib, lmcache_python)
             out_rows.append(row)
-            del rows_v, data, dst, pool
             if not as_json:
                 print(json.dumps(row), file=sys.stderr)
         result = {"rows": out_rows, "recovery": _recovery(work, recovery_records, reps)}
