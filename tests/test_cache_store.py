@@ -317,3 +317,19 @@ def test_a_record_stored_over_an_orphans_file_serves_its_own_bytes(tmp_path: Pat
     while s.poll():
         pass
     assert s.check() == [] and bytes(s.load(toks, 12)) == page_row(toks)
+
+
+def test_load_many_catches_a_kept_file_cut_short_under_it(tmp_path: Path, stores: Stores) -> None:
+    """The short path (a verified record, its descriptor held) still checks every read's
+    length: a file another program truncated in place is caught, not served."""
+    s = stores.open(tmp_path)
+    toks = [np.arange(i * 100, i * 100 + 2 * PT) for i in range(8)]
+    s.store_many([(t, page_row(t)) for t in toks])  # written here: verified, kept open
+    victim = s._index.records[page_keys(toks[3], PT, fingerprint_digest(FP))[-1]]
+    assert victim.verified
+    os.truncate(tmp_path / f"{victim.key.hex()}.kv", victim.file_len - 1)
+    with pytest.raises(RecordCorruptError, match=victim.key.hex()):
+        s.load_many([(t, 2) for t in toks])
+    assert s.lookup(toks[3]) == 0 and s.statistics().corrupt_loads == 1
+    rest = [t for i, t in enumerate(toks) if i != 3]
+    assert [bytes(v) for v in s.load_many([(t, 2) for t in rest])] == [page_row(t) for t in rest]

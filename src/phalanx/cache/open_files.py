@@ -78,6 +78,32 @@ class OpenFiles:
             os.close(d)
         return f
 
+    def acquire_held(self, keys: list[bytes]) -> list[OpenFile | None]:
+        """``acquire`` of the keys whose descriptor is held, under one lock hold; None
+        for the others (the caller opens those through ``acquire``)."""
+        out: list[OpenFile | None] = []
+        with self._lock:
+            table = self._table
+            for key in keys:
+                f = table.get(key)
+                if f is not None:
+                    f.users += 1
+                    table.move_to_end(key)
+                out.append(f)
+        return out
+
+    def release_all(self, files: list[OpenFile | None]) -> None:
+        """``release`` of each file given (None entries skipped), under one lock hold."""
+        close = []
+        with self._lock:
+            for f in files:
+                if f is not None:
+                    f.users -= 1
+                    if f.doomed and f.users == 0:
+                        close.append(f.fd)
+        for fd in close:
+            os.close(fd)
+
     def keep(self, key: bytes, fd: int) -> None:
         """Adopt a descriptor of the record's file just written (the store's own, opened
         read-write): the first load need not open it. It replaces any descriptor held
