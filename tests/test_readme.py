@@ -49,3 +49,13 @@ def test_readme_python_example_runs() -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "(b'hello', array([2., 2., 2., 2.]))" in out.stdout
+
+
+def test_readme_cache_example_runs() -> None:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python", text.index("## Prefix cache on one rank")) + len("```python")
+    code = text[start:text.index("```", start)]
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "4 True"
