@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cache_util import GEOM, Clock, Stores, page_row, record_files, stores, temp_files
-from phalanx.cache import CapacityError, RowSpanError
+from phalanx.cache import CapacityError, DiskStore, RecordCorruptError, RowSpanError
 from phalanx.lifecycle import FailpointError, failpoints
 
 __all__ = ["stores"]  # the fixture, imported for pytest
@@ -188,3 +188,63 @@ def test_an_interrupt_mid_batch_waits_for_the_writes_under_way(tmp_path: Path) -
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok ")
+
+
+@pytest.mark.parametrize("open_files", [2, 0], ids=["file-held", "file-opened-per-read"])
+def test_no_store_takes_the_name_of_a_dropped_record_a_load_still_reads(
+    tmp_path: Path, stores: Stores, open_files: int
+) -> None:
+    """A load pinned record R (pages 2..4); R is discarded and the same prefix stored
+    again as one row from page 0, whose file has R's name. The load read that new file
+    at R's offsets and returned wrong bytes; now the new store waits for the load."""
+    s = stores.open(tmp_path, open_files=open_files)
+    toks = np.arange(4 * PT) + 7
+    s.store(toks[: 2 * PT], page_row(toks[: 2 * PT]))
+    r = s.store(toks, page_row(toks[2 * PT :]))
+    s.load(toks, 4)  # with open_files, R's descriptor is held: the short read path
+    failpoints.arm("cache.load.pinned", "delay:1*1")
+    got: list[object] = []
+    loader = threading.Thread(target=lambda: got.append(_load_or_error(s, toks)))
+    loader.start()
+    deadline = time.monotonic() + 30
+    while not failpoints.fired("cache.load.pinned"):  # planned, R pinned
+        assert time.monotonic() < deadline, "the load never reached its pinned point"
+        time.sleep(0.01)
+    assert s.discard(r.key)
+    assert not s.store(toks, page_row(toks)).stored  # R's name is still being read
+    loader.join(timeout=30)
+    assert not loader.is_alive()
+    # R's file was unlinked before the load took a descriptor: it fails; never wrong bytes
+    assert len(got) == 1 and isinstance(got[0], RecordCorruptError)
+    res = s.store(toks, page_row(toks))  # the load is done: the name is free
+    assert res.stored and res.key == r.key and bytes(s.load(toks, 4)) == page_row(toks)
+    while s.poll():
+        pass
+    assert s.check() == []
+
+
+def _load_or_error(s: DiskStore, toks: np.ndarray) -> object:
+    try:
+        return bytes(s.load_many([(toks, 4)])[0])
+    except RecordCorruptError as exc:
+        return exc
+
+
+def test_a_prefix_stored_again_before_its_bad_file_is_moved_aside_keeps_its_file(
+    tmp_path: Path, stores: Stores
+) -> None:
+    s = stores.open(tmp_path)
+    toks = np.arange(3 * PT) + 11
+    key = s.store(toks, page_row(toks)).key
+    path = tmp_path / f"{key.hex()}.kv"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # bit rot
+    path.write_bytes(raw)
+    s._index.records[key].verified = False  # as after a restart: the load checks CRCs
+    with pytest.raises(RecordCorruptError):
+        s.load(toks, 3)
+    assert s.store(toks, page_row(toks)).stored  # recomputed and stored again at once
+    while s.poll():  # the queued QUARANTINE job must not take the new file
+        pass
+    assert bytes(s.load(toks, 3)) == page_row(toks) and s.check() == []
+    assert [p.read_bytes() for p in (tmp_path / "quarantine").iterdir()] == [bytes(raw)]

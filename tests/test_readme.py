@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -41,21 +43,15 @@ def test_demo_runs() -> None:
     assert "rank 1" in out.stdout and "closed" in out.stdout
 
 
-def test_readme_python_example_runs() -> None:
+@pytest.mark.parametrize(("section", "expected"), [
+    ("## Python API", "(b'hello', array([2., 2., 2., 2.]))"),
+    ("## Prefix cache on one rank", "4 True"),
+])
+def test_readme_python_examples_run(section: str, expected: str) -> None:
     text = (ROOT / "README.md").read_text()
-    start = text.index("```python", text.index("## Python API")) + len("```python")
+    start = text.index("```python", text.index(section)) + len("```python")
     code = text[start:text.index("```", start)]
     out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "(b'hello', array([2., 2., 2., 2.]))" in out.stdout
-
-
-def test_readme_cache_example_runs() -> None:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("```python", text.index("## Prefix cache on one rank")) + len("```python")
-    code = text[start:text.index("```", start)]
-    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "4 True"
+    assert expected in out.stdout

@@ -60,6 +60,9 @@ class Loads:
     def _keys(self, tokens: Tokens | KeyChain, limit: int | None = None) -> list[bytes]:
         raise NotImplementedError  # the store's
 
+    def _retire_locked(self, rec: Record) -> None:
+        raise NotImplementedError  # the store's
+
     def load(self, tokens: Tokens | KeyChain, n_pages: int, out: Any = None) -> memoryview:
         """The KV bytes of the first ``n_pages`` pages, as a flat byte memoryview.
 
@@ -224,3 +227,4 @@ class Loads:
                 self._index.remove(rec)
             if self._index.forget_orphan(rec.key) is not None:
                 self._scheduler.bad[record_name(rec.key)] = None
+                self._retire_locked(rec)  # this load's pin, at least, is still held

@@ -133,6 +133,10 @@ class DiskStore(Loads, Stores):
         self._state = _State.OPEN
         self._reserved = 0  # bytes of writes in flight, counted against capacity
         self._inflight: Counter[bytes] = Counter()  # page keys of the spans being written
+        # records that left the index while a load still had them pinned: until those
+        # loads finish, no new file may take the name (they read the old one by name
+        # and at the old record's offsets)
+        self._retired: dict[bytes, Record] = {}
         self._stats = CacheStats(capacity_bytes=capacity_bytes, recovered=len(result.columns),
                                  skipped=result.skipped())
         ix = self._index
@@ -358,6 +362,16 @@ class DiskStore(Loads, Stores):
         self._drop_orphan_locked(rec)
         return JobOutcome.DONE
 
+    def _free_name_locked(self, key: bytes) -> None:
+        """Before a new record's file takes the name of ``key``: drop the orphan or
+        move aside the bad file that holds it (a later job would take the new file)."""
+        orphan = self._index.orphans.get(key)
+        if orphan is not None:
+            self._drop_orphan_locked(orphan)
+        name = record_name(key)
+        if name in self._scheduler.bad:
+            self._apply_quarantine(Job(JobKind.QUARANTINE, name=name))
+
     def _drop_orphan_locked(self, rec: Record) -> None:
         self._files.forget(rec.key)  # first: a failed unlink keeps no descriptor
         remove_record(self.directory, rec.key)
@@ -420,8 +434,9 @@ class DiskStore(Loads, Stores):
         """Remove record ``key`` wherever it sits (start-up reconciliation only).
 
         Records that only it made reachable become orphans, which maintenance drops.
-        False when it is not an attached record; a pinned one is removed all the same
-        (its load finishes from the open file).
+        False when it is not an attached record. A pinned one is removed all the same:
+        a load reading it finishes if it holds the file open, else fails with
+        RecordCorruptError; no store takes its name until such loads are done.
         """
         with self._mutex:
             self._check_open()
@@ -432,8 +447,17 @@ class DiskStore(Loads, Stores):
             self._files.forget(rec.key)  # a load still reading keeps it until it is done
             remove_record(self.directory, rec.key)
             self._index.forget_orphan(rec.key)
+            self._retire_locked(rec)
             self._stats.dropped += 1
             return True
+
+    def _retire_locked(self, rec: Record) -> None:
+        """``rec`` left the index for good: if loads still pin it, keep its name from a
+        new record until they are done (see ``_retired``); forget finished ones."""
+        if rec.pins:
+            self._retired[rec.key] = rec
+        for key in [k for k, r in self._retired.items() if not r.pins]:
+            del self._retired[key]
 
     def purge_leftovers(self) -> int:
         """Apply only the jobs that decide nothing about records: temp files, bad files

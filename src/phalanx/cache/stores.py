@@ -103,6 +103,7 @@ class Stores:
     _clock: Callable[[], float]
     _reserved: int  # bytes of admitted writes, counted against capacity
     _inflight: Counter[bytes]  # page keys of admitted writes' spans
+    _retired: dict[bytes, Record]  # dropped records loads still pin, by key
 
     def _check_open(self) -> None:
         raise NotImplementedError  # the store's
@@ -116,7 +117,7 @@ class Stores:
     def _make_room_locked(self, nbytes: int) -> int:
         raise NotImplementedError  # the store's
 
-    def _drop_orphan_locked(self, rec: Record) -> None:
+    def _free_name_locked(self, key: bytes) -> None:
         raise NotImplementedError  # the store's
 
     def store(self, tokens: Tokens | KeyChain, row: Any) -> StoreResult:
@@ -214,7 +215,8 @@ class Stores:
                     skipped += 1
                     continue
                 # another call is writing these pages or the ones before them, or a load
-                # reads the orphan file this record would replace: not now
+                # still reads the file of an orphan or a dropped record by this name (at
+                # that record's offsets): not now
                 later = keys[-1] in inflight
                 if start > cached and keys[start - 1] not in batch:
                     if keys[start - 1] not in inflight and keys[start - 1] not in unsettled:
@@ -223,7 +225,7 @@ class Stores:
                             f"cached: a row must start at or before page {cached} (no gaps)"
                         )
                     later = True
-                orphan = ix.orphans.get(keys[-1])
+                orphan = ix.orphans.get(keys[-1]) or self._retired.get(keys[-1])
                 if later or (orphan is not None and orphan.pins):
                     unsettled.update(keys[cached:])  # rows hanging from it wait too
                     skipped += 1
@@ -242,9 +244,7 @@ class Stores:
                     "store it in smaller batches"
                 )
             for w in writes:
-                orphan = ix.orphans.get(w.header.key)
-                if orphan is not None:  # its file has this record's name: drop it first
-                    self._drop_orphan_locked(orphan)
+                self._free_name_locked(w.header.key)
                 self._make_room_locked(w.size)
                 self._reserved += w.size
                 for k in w.keys[w.start :]:
