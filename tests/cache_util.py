@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from phalanx.cache import DiskStore, Geometry
+from phalanx.cache.files import STAGING_DIR
 from phalanx.cache.keys import KeyChain
 from phalanx.lifecycle import failpoints
 
@@ -118,4 +119,9 @@ def record_files(directory: Path | str) -> list[str]:
 
 
 def temp_files(directory: Path | str) -> list[str]:
-    return sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
+    """Temp files in the directory and in its writers' staging slots."""
+    found = [n for n in os.listdir(directory) if n.endswith(".tmp")]
+    staging = Path(directory) / STAGING_DIR
+    if staging.is_dir():
+        found += [f"{STAGING_DIR}/{p.relative_to(staging)}" for p in staging.glob("*/*.tmp")]
+    return sorted(found)

@@ -214,7 +214,7 @@ def test_full_disk_fails_the_store_cleanly_and_keeps_serving(tmp_path: Path) -> 
         import os, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import numpy as np
-        from cache_util import GEOM, FP, page_row
+        from cache_util import GEOM, FP, page_row, temp_files
         from phalanx.cache import DiskStore, DiskFullError
         d = {str(d)!r}
         with DiskStore(d, GEOM, FP, 1 << 30, progress=False) as s:
@@ -229,7 +229,7 @@ def test_full_disk_fails_the_store_cleanly_and_keeps_serving(tmp_path: Path) -> 
                 stored.append(toks)
             else:
                 raise SystemExit("the disk never filled")
-            assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
+            assert not temp_files(d)
             assert s.check() == [], s.check()
             for toks in stored:
                 assert bytes(s.load(toks, 64)) == page_row(toks)

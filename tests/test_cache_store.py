@@ -187,6 +187,8 @@ def test_files_are_private(tmp_path: Path, stores: Stores) -> None:
     assert d.stat().st_mode & 0o777 == 0o700
     for name in [*record_files(d), ".lock", "phalanx-cache.json"]:
         assert (d / name).stat().st_mode & 0o777 == 0o600, name
+    slots = [p for p in (d / ".staging").iterdir()]  # the writers' temp file slots
+    assert slots and all(p.stat().st_mode & 0o777 == 0o700 for p in [d / ".staging", *slots])
 
 
 def test_fingerprint_changes_every_key(tmp_path: Path, stores: Stores) -> None:

@@ -1,7 +1,8 @@
 """File steps of the store: write a record, thin it, remove it, purge, quarantine.
 
-Storage discipline: a record is written to a new temp file (O_EXCL, 0600), committed by
-rename, and only then is anything it replaces gone; a crash leaves the old state or
+Storage discipline: a record is written to a new temp file (O_EXCL, 0600; in the
+writer thread's staging slot, ``Staging``), committed by rename into the cache
+directory, and only then is anything it replaces gone; a crash leaves the old state or
 the new one plus, at most, a temp file the next open purges. Every step carries a
 failpoint; a failure before the commit removes the temp file, after it undoes the
 commit, so the caller's error always means "nothing changed".
@@ -12,6 +13,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -22,17 +24,21 @@ from .record import RecordHeader, record_name
 
 __all__ = [
     "QUARANTINE_DIR",
+    "STAGING_DIR",
     "TEMP_SUFFIX",
+    "Staging",
     "is_temp_name",
     "purge_temp",
     "quarantine",
     "remove_record",
+    "staged_temps",
     "thin_record",
     "write_record",
 ]
 
 TEMP_SUFFIX = ".tmp"
 QUARANTINE_DIR = "quarantine"
+STAGING_DIR = ".staging"
 
 _FP_TEMP_OPENED = Failpoint("cache.store.temp_opened", "record temp file created, empty")
 _FP_TEMP_WRITTEN = Failpoint("cache.store.temp_written", "record temp file written, not renamed")
@@ -47,11 +53,59 @@ _counter = itertools.count()
 
 
 def is_temp_name(name: str) -> bool:
-    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+    """A temp file's name in the cache directory, or relative to it in a staging slot."""
+    head, _, base = name.rpartition("/")
+    return base.startswith(".") and base.endswith(TEMP_SUFFIX) and (
+        not head or (head.startswith(STAGING_DIR + "/") and head.count("/") == 1))
 
 
-def _temp_path(directory: str, key: bytes) -> str:
-    return os.path.join(directory, f".{key.hex()}.{os.getpid()}.{next(_counter)}{TEMP_SUFFIX}")
+def _temp_path(tmp_dir: str, key: bytes) -> str:
+    return os.path.join(tmp_dir, f".{key.hex()}.{os.getpid()}.{next(_counter)}{TEMP_SUFFIX}")
+
+
+class Staging:
+    """Per-thread subdirectories of ``DIR/.staging/`` for the temp files of record
+    writes.
+
+    A filesystem creates a file under its directory's lock, and on this VM's ext4 a
+    create costs 20-500 µs of CPU (by the block group the directory landed in): writers
+    creating in one directory take turns. Each writer thread creates its temp files in
+    a slot of its own (threads take slots round-robin), then renames them into the
+    cache directory: 1,024 files of 256 KiB on two threads, 1.06-1.48 GB/s against
+    0.59-0.94 through one directory (0.53-0.74 on one thread).
+    """
+
+    def __init__(self, directory: str, slots: int) -> None:
+        self.root = os.path.join(directory, STAGING_DIR)
+        self.slots = max(1, slots)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        for i in range(self.slots):
+            os.makedirs(os.path.join(self.root, str(i)), mode=0o700, exist_ok=True)
+        self._mine = threading.local()
+        self._next = itertools.count()
+
+    def path(self) -> str:
+        """This thread's staging directory."""
+        slot: int | None = getattr(self._mine, "slot", None)
+        if slot is None:
+            slot = self._mine.slot = next(self._next) % self.slots
+        return os.path.join(self.root, str(slot))
+
+
+def staged_temps(directory: str) -> list[str]:
+    """Temp files in the staging slots (left by writers that died), as names relative
+    to ``directory``; PURGE_TEMP jobs take them."""
+    out: list[str] = []
+    try:
+        with os.scandir(os.path.join(directory, STAGING_DIR)) as slots:
+            for slot in slots:
+                if slot.is_dir(follow_symlinks=False):
+                    with os.scandir(slot.path) as it:
+                        out += [f"{STAGING_DIR}/{slot.name}/{e.name}" for e in it
+                                if is_temp_name(e.name)]
+    except FileNotFoundError:
+        pass
+    return out
 
 
 def _write_all(fd: int, bufs: Sequence[bytes | memoryview]) -> None:
@@ -100,11 +154,13 @@ def _write_error(directory: str, key: bytes, what: str, exc: OSError) -> StoreWr
 
 def _commit(directory: str, key: bytes, write: Callable[[int], None], fsync: bool,
             written: Failpoint, committed: Failpoint, what: str,
-            on_renamed: Callable[[], None] | None = None, keep_open: bool = False) -> int | None:
-    """Write a temp file, rename it into place; with ``keep_open``, return its
-    descriptor (readable) instead of closing it."""
+            on_renamed: Callable[[], None] | None = None, keep_open: bool = False,
+            tmp_dir: str | None = None) -> int | None:
+    """Write a temp file (in ``tmp_dir``, default the directory itself), rename it
+    into place; with ``keep_open``, return its descriptor (readable) instead of
+    closing it."""
     final = os.path.join(directory, record_name(key))
-    tmp = _temp_path(directory, key)
+    tmp = _temp_path(tmp_dir or directory, key)
     renamed = False
     fd = -1
     try:
@@ -146,7 +202,7 @@ def _commit(directory: str, key: bytes, write: Callable[[int], None], fsync: boo
 
 def write_record(directory: str, header: RecordHeader, row: memoryview, fsync: bool,
                  checksums: Future[list[int]] | None = None,
-                 keep_open: bool = False) -> int | None:
+                 keep_open: bool = False, tmp_dir: str | None = None) -> int | None:
     """Write header + row as ``<key>.kv`` via temp + rename. Raises StoreWriteError.
     With ``keep_open``, returns the file's descriptor, open for reading.
 
@@ -164,18 +220,18 @@ def write_record(directory: str, header: RecordHeader, row: memoryview, fsync: b
         _pwrite_all(fd, header.encode(), 0)
 
     return _commit(directory, header.key, write, fsync, _FP_TEMP_WRITTEN, _FP_COMMITTED,
-                   "write", keep_open=keep_open)
+                   "write", keep_open=keep_open, tmp_dir=tmp_dir)
 
 
 def thin_record(directory: str, thinned: RecordHeader, fsync: bool,
-                on_renamed: Callable[[], None]) -> None:
+                on_renamed: Callable[[], None], tmp_dir: str | None = None) -> None:
     """Replace a record's file by its header alone (flag THINNED), atomically.
 
     ``on_renamed`` runs right after the rename: a later failure (directory fsync, a
     failpoint) cannot undo a thin, so the index must already say "thinned".
     """
     _commit(directory, thinned.key, lambda fd: _write_all(fd, [thinned.encode()]), fsync,
-            _FP_THIN_WRITTEN, _FP_THIN_COMMITTED, "thin", on_renamed)
+            _FP_THIN_WRITTEN, _FP_THIN_COMMITTED, "thin", on_renamed, tmp_dir=tmp_dir)
 
 
 def remove_record(directory: str, key: bytes) -> None:

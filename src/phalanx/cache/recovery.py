@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from .files import QUARANTINE_DIR, is_temp_name
+from .files import QUARANTINE_DIR, STAGING_DIR, is_temp_name, staged_temps
 from .geometry import Geometry
 from .index import Index, Node, Record
 from .lock import LOCK_NAME
@@ -49,7 +49,8 @@ __all__ = [
 
 log = logging.getLogger("phalanx.cache")
 
-_OURS = frozenset({LOCK_NAME, MANIFEST_NAME, QUARANTINE_DIR, SEAL_NAME, SNAPSHOT_NAME})
+_OURS = frozenset({LOCK_NAME, MANIFEST_NAME, QUARANTINE_DIR, SEAL_NAME, SNAPSHOT_NAME,
+                   STAGING_DIR})
 _NAME_LEN = 32 + len(RECORD_SUFFIX)
 
 
@@ -187,6 +188,7 @@ def scan(directory: str, geometry: Geometry | None, fingerprint: bytes | None,
             res.bad.append((name, checked))
         else:
             res.headers.append(checked)
+    res.temps += staged_temps(directory)
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -223,6 +225,7 @@ def recover(directory: str, geometry: Geometry, fingerprint: bytes,
             res.foreign.append(name)
         else:
             to_read.append(name)
+    res.temps += staged_temps(directory)
     if snap is None:
         trusted: list[int] = []
     elif sealed:

@@ -29,7 +29,15 @@ from ._errors import (
     StoreClosedError,
 )
 from .buffers import MAP_MIN, ParallelReader
-from .files import is_temp_name, purge_temp, quarantine, remove_record, thin_record
+from .files import (
+    Staging,
+    is_temp_name,
+    purge_temp,
+    quarantine,
+    remove_record,
+    staged_temps,
+    thin_record,
+)
 from .geometry import Geometry
 from .index import Record
 from .keys import KeyChain, Tokens, fingerprint_digest, page_keys
@@ -119,6 +127,7 @@ class DiskStore(Loads, Stores):
         self._lock = DirLock(self.directory)  # first: touch nothing before owning the dir
         try:
             check_or_create(self.directory, geometry, self.fingerprint)
+            self._staging = Staging(self.directory, self._reader.threads + 1)
             with no_gc():
                 result = recover(self.directory, geometry, self.fingerprint, progress=progress)
                 self._index = build_index_columns(result.columns)
@@ -410,7 +419,7 @@ class DiskStore(Loads, Stores):
             self._files.forget(rec.key)  # its descriptor reads the replaced file
             self._stats.rows_thinned += 1
 
-        thin_record(self.directory, header, self.fsync, renamed)
+        thin_record(self.directory, header, self.fsync, renamed, self._staging.path())
         return JobOutcome.DONE
 
     # -- replication (replica.py, reconcile.py) ----------------------------------------
@@ -478,14 +487,16 @@ class DiskStore(Loads, Stores):
             ix = self._index
             problems = ix.problems()
             on_disk: dict[str, int] = {}
+            temps = staged_temps(self.directory)
             with os.scandir(self.directory) as it:
                 for e in it:
                     if e.name.endswith(RECORD_SUFFIX) and e.is_file():
                         on_disk[e.name] = e.stat().st_size
-                    elif is_temp_name(e.name) and e.name not in self._scheduler.temps and (
-                        not self._inflight
-                    ):
-                        problems.append(f"temp file {e.name} not queued for purging")
+                    elif is_temp_name(e.name):
+                        temps.append(e.name)
+            for name in temps:
+                if name not in self._scheduler.temps and not self._inflight:
+                    problems.append(f"temp file {name} not queued for purging")
             for rec in [*ix.records.values(), *ix.orphans.values()]:
                 name = record_name(rec.key)
                 size = on_disk.pop(name, None)

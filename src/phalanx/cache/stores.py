@@ -31,7 +31,7 @@ from typing import Any
 
 from ._errors import CapacityError, RowSpanError
 from .buffers import ParallelReader, as_byte_view, wait_all
-from .files import write_record
+from .files import Staging, write_record
 from .geometry import Geometry
 from .index import Index, Record
 from .keys import ROOT_KEY, KeyChain, Tokens
@@ -104,6 +104,7 @@ class Stores:
     _reserved: int  # bytes of admitted writes, counted against capacity
     _inflight: Counter[bytes]  # page keys of admitted writes' spans
     _retired: dict[bytes, Record]  # dropped records loads still pin, by key
+    _staging: Staging
 
     def _check_open(self) -> None:
         raise NotImplementedError  # the store's
@@ -269,7 +270,8 @@ class Stores:
                 w.header.crcs = page_crcs(w.view, pb)
             w.header.created = self._clock()
             w.kept = write_record(self.directory, w.header, w.view, self.fsync, checksums,
-                                  keep_open=self._files.capacity > 0)
+                                  keep_open=self._files.capacity > 0,
+                                  tmp_dir=self._staging.path())  # this thread's slot
             w.written = True
         except BaseException as exc:  # noqa: BLE001  raised by the caller once all are done
             w.error = exc
