@@ -24,6 +24,7 @@ from phalanx.cache import (
     StoreClosedError,
     StoreLockedError,
 )
+from phalanx.cache.audit import inspect_directory
 from phalanx.cache.snapshot import SEAL_NAME
 from phalanx.lifecycle import FailpointError, failpoints
 
@@ -247,3 +248,28 @@ def test_full_disk_fails_the_store_cleanly_and_keeps_serving(tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok ") and int(out.stdout.split()[1]) > 0
     assert DiskFullError.__mro__[1].__name__ == "StoreWriteError"
+
+
+def test_a_staging_entry_that_is_not_a_directory_of_ours_is_refused(
+    tmp_path: Path, stores: Stores
+) -> None:
+    """Temp files are created in, and purged from, DIR/.staging/N/: a symlink there
+    would send them (and their purges) outside the cache."""
+    d = tmp_path / "cache"
+    stores.open(d).close()
+    shutil.rmtree(d / ".staging")
+    outside = tmp_path / "outside"
+    (outside / "0").mkdir(parents=True)
+    victim = outside / "0" / ".notes.tmp"
+    victim.write_text("someone's")
+    (d / ".staging").symlink_to(outside)
+    with pytest.raises(NotADirectoryError, match="symlink or a file"):
+        stores.open(d)
+    assert inspect_directory(str(d)).temps == 0 and victim.exists()  # not listed through it
+    (d / ".staging").unlink()
+    (d / ".staging").write_text("a file")
+    with pytest.raises(NotADirectoryError, match="remove it"):
+        stores.open(d)
+    (d / ".staging").unlink()
+    s = stores.open(d)  # removed: the next open makes its own (and the lock was released)
+    assert s.check() == [] and victim.exists()

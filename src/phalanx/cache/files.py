@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -78,9 +79,9 @@ class Staging:
     def __init__(self, directory: str, slots: int) -> None:
         self.root = os.path.join(directory, STAGING_DIR)
         self.slots = max(1, slots)
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        _private_dir(self.root)
         for i in range(self.slots):
-            os.makedirs(os.path.join(self.root, str(i)), mode=0o700, exist_ok=True)
+            _private_dir(os.path.join(self.root, str(i)))
         self._mine = threading.local()
         self._next = itertools.count()
 
@@ -92,18 +93,34 @@ class Staging:
         return os.path.join(self.root, str(slot))
 
 
+def _private_dir(path: str) -> None:
+    """``path`` as a directory of ours (0700), made if absent; a symlink or a file
+    there is refused (temp files must not land, nor be purged, outside the cache)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise NotADirectoryError(
+                errno.ENOTDIR, "not a directory of the cache's (a symlink or a file); the "
+                "cache keeps its writers' temp files there: remove it", path) from None
+
+
 def staged_temps(directory: str) -> list[str]:
     """Temp files in the staging slots (left by writers that died), as names relative
-    to ``directory``; PURGE_TEMP jobs take them."""
+    to ``directory``; PURGE_TEMP jobs take them. Only real directories are listed, never
+    through a symlink; an unreadable one (an inspection by another user) lists nothing."""
     out: list[str] = []
+    root = os.path.join(directory, STAGING_DIR)
     try:
-        with os.scandir(os.path.join(directory, STAGING_DIR)) as slots:
+        if not stat.S_ISDIR(os.lstat(root).st_mode):
+            return out
+        with os.scandir(root) as slots:
             for slot in slots:
                 if slot.is_dir(follow_symlinks=False):
                     with os.scandir(slot.path) as it:
                         out += [f"{STAGING_DIR}/{slot.name}/{e.name}" for e in it
-                                if is_temp_name(e.name)]
-    except FileNotFoundError:
+                                if is_temp_name(e.name) and e.is_file(follow_symlinks=False)]
+    except OSError:
         pass
     return out
 
