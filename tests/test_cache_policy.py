@@ -177,3 +177,19 @@ def test_open_descriptors_follow_the_records(tmp_path: Path, stores: Stores) -> 
     assert _descriptors_under(tmp_path) == []
     s.close()
     assert _descriptors_under(tmp_path) == []
+
+
+def test_lru_bookkeeping_stays_bounded_when_nothing_is_evicted(tmp_path: Path,
+                                                              stores: Stores) -> None:
+    """Every hit re-files a leaf in the LRU heap; a cache that never fills up never
+    evicts, and the heap grew by one entry per hit (a server's memory, without bound)."""
+    s = stores.open(tmp_path)
+    prompts = [np.arange(i * 100, i * 100 + 2 * PT) for i in range(10)]
+    for t in prompts:
+        s.store(t, page_row(t))
+    for i in range(20_000):
+        t = prompts[i % 10]
+        assert s.lookup(t) == 2
+    s.load_many([(t, 2) for t in prompts])
+    assert len(s._index._lru) <= 2 * 10 + 1024 + 1
+    assert s.statistics().evictions == 0 and s.check() == []

@@ -112,6 +112,8 @@ class Index:
         rec.last_used = next(self._clock)
         if self.is_leaf(rec):
             heapq.heappush(self._lru, (rec.last_used, rec.key))
+            if len(self._lru) > 2 * len(self.records) + 1024:
+                self._compact()  # a cache that never fills up never runs lru_leaf
 
     # -- mutation ----------------------------------------------------------------
     def add(self, rec: Record, keys: list[bytes], parent: Node, recovering: bool = False) -> None:
