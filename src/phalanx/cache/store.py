@@ -306,12 +306,15 @@ class DiskStore(Loads, Stores):
             self._check_open()
             return self._make_room_locked(nbytes)
 
-    def _make_room_locked(self, nbytes: int) -> int:
+    def _check_fits(self, nbytes: int) -> None:
         if nbytes > self.capacity_bytes:
             raise CapacityError(
                 f"a record of {nbytes} bytes exceeds the capacity of {self.directory} "
                 f"({self.capacity_bytes} bytes); raise capacity_bytes or store shorter rows"
             )
+
+    def _make_room_locked(self, nbytes: int) -> int:
+        self._check_fits(nbytes)
         ix = self._index
         n = 0
         while ix.bytes + self._reserved + nbytes > self.capacity_bytes:
@@ -382,10 +385,15 @@ class DiskStore(Loads, Stores):
             self._apply_quarantine(Job(JobKind.QUARANTINE, name=name))
 
     def _drop_orphan_locked(self, rec: Record) -> None:
+        self._unlink_locked(rec)
+        self._stats.dropped += 1
+
+    def _unlink_locked(self, rec: Record) -> None:
+        """Delete a detached record's file and forget it (a load still reading keeps its
+        descriptor until it is done)."""
         self._files.forget(rec.key)  # first: a failed unlink keeps no descriptor
         remove_record(self.directory, rec.key)
         self._index.forget_orphan(rec.key)
-        self._stats.dropped += 1
 
     def _apply_remove(self, job: Job) -> JobOutcome:
         rec = self._index.records.get(job.key)
@@ -394,9 +402,7 @@ class DiskStore(Loads, Stores):
         if rec.pins:
             return JobOutcome.DEFERRED
         self._index.remove(rec)  # stop serving first; the file goes after
-        self._files.forget(rec.key)
-        remove_record(self.directory, rec.key)
-        self._index.forget_orphan(rec.key)
+        self._unlink_locked(rec)
         if job.kind is JobKind.EXPIRE:
             self._stats.expirations += 1
         else:
@@ -453,11 +459,8 @@ class DiskStore(Loads, Stores):
             if rec is None:
                 return False
             self._index.remove(rec)
-            self._files.forget(rec.key)  # a load still reading keeps it until it is done
-            remove_record(self.directory, rec.key)
-            self._index.forget_orphan(rec.key)
+            self._drop_orphan_locked(rec)
             self._retire_locked(rec)
-            self._stats.dropped += 1
             return True
 
     def _retire_locked(self, rec: Record) -> None:

@@ -5,11 +5,12 @@ A store runs in three steps:
 - *admit*, under the store's mutex: sizes and gaps checked, the records holding the
   cached prefix the row extends pinned (so making room for the row never evicts the
   prefix it hangs from), room made, the file's bytes reserved against capacity, the
-  end key marked in flight (a second store of it is skipped);
+  page keys of its span marked in flight (a store needing those pages waits: it is
+  skipped);
 - *write*, outside the mutex: page checksums, a temp file, the rename (files.py);
 - *index*, under the mutex: the record attached below its prefix, or kept as an
   orphan when that prefix went meanwhile (maintenance drops it); pins, reservation
-  and in-flight mark released whatever happened.
+  and in-flight marks released whatever happened.
 
 ``store_many`` admits a whole batch first, in order, each row as if the ones before it
 were stored already (a row may extend an earlier row of the batch), then writes the
@@ -61,13 +62,13 @@ class StoreResult:
 @dataclass(eq=False)
 class _Write:
     """One row on its way to disk. From admission until indexed it holds its bytes
-    reserved, its end key in flight and its prefix's records pinned."""
+    reserved, its span's page keys in flight and its prefix's records pinned."""
 
     header: RecordHeader
     view: memoryview
     keys: list[bytes]  # page keys 0 .. end of the row's tokens
     pinned: list[Record] = field(default_factory=list)
-    reserved: bool = False  # its bytes counted in _reserved, its key in _inflight
+    reserved: bool = False  # its bytes counted in _reserved, its span in _inflight
     written: bool = False  # committed by rename
     kept: int | None = None  # the written file's descriptor, for OpenFiles
     error: BaseException | None = None
@@ -113,6 +114,9 @@ class Stores:
         raise NotImplementedError  # the store's
 
     def _keys(self, tokens: Tokens | KeyChain, limit: int | None = None) -> list[bytes]:
+        raise NotImplementedError  # the store's
+
+    def _check_fits(self, nbytes: int) -> None:
         raise NotImplementedError  # the store's
 
     def _make_room_locked(self, nbytes: int) -> int:
@@ -168,12 +172,7 @@ class Stores:
             self.geometry, self.fingerprint, keys[-1], keys[start - 1] if start else ROOT_KEY,
             start, end, view.nbytes, 0.0, keys[start:], [],
         )
-        if header.file_len > self.capacity_bytes:
-            raise CapacityError(
-                f"a record of {header.file_len} bytes exceeds the capacity of "
-                f"{self.directory} ({self.capacity_bytes} bytes); raise capacity_bytes or "
-                "store shorter rows"
-            )
+        self._check_fits(header.file_len)
         return _Write(header, view, keys)
 
     def _store_all(self, prepared: list[_Write]) -> list[StoreResult]:
