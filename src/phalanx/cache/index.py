@@ -92,6 +92,12 @@ class Index:
                 hi = mid
         return lo
 
+    def has_prefix(self, keys: list[bytes], n: int) -> bool:
+        """Pages 0..n-1 of ``keys`` are cached (``cached_pages(keys) >= n``, for n <=
+        len(keys)): one map lookup, as a key names its whole prefix."""
+        node = self.nodes.get(keys[n - 1]) if 0 < n <= len(keys) else None
+        return node is not None and node.depth == n
+
     def plan(self, keys: list[bytes], n: int) -> list[tuple[Record, int, int]]:
         """Pieces (record, first page, end page) that assemble cached pages 0..n-1.
 
@@ -109,11 +115,17 @@ class Index:
         return pieces
 
     def touch(self, rec: Record) -> None:
-        rec.last_used = next(self._clock)
-        if self.is_leaf(rec):
-            heapq.heappush(self._lru, (rec.last_used, rec.key))
-            if len(self._lru) > 2 * len(self.records) + 1024:
-                self._compact()  # a cache that never fills up never runs lru_leaf
+        self.touch_all([rec])
+
+    def touch_all(self, recs: list[Record]) -> None:
+        """Mark ``recs`` used now, in order (the last is the most recent)."""
+        clock, lru, is_leaf, push = self._clock, self._lru, self.is_leaf, heapq.heappush
+        for rec in recs:
+            rec.last_used = used = next(clock)
+            if is_leaf(rec):
+                push(lru, (used, rec.key))
+        if len(lru) > 2 * len(self.records) + 1024:
+            self._compact()  # a cache that never fills up never runs lru_leaf
 
     # -- mutation ----------------------------------------------------------------
     def add(self, rec: Record, keys: list[bytes], parent: Node, recovering: bool = False) -> None:

@@ -92,7 +92,9 @@ class Loads:
         record is dropped: a retry after ``lookup`` loads the rest)."""
         planned = self._plan(requests)
         pb = self.geometry.page_bytes
-        reads = [(rec, first, stop, dst[first * pb : stop * pb])
+        # a piece that fills its whole destination (a request served by one record, the
+        # common case) reads into dst itself, not a slice of it
+        reads = [(rec, first, stop, dst if len(pieces) == 1 else dst[first * pb : stop * pb])
                  for dst, pieces in planned for rec, first, stop in pieces]
         # a task reads a run of pieces: small rows cost a task hand-off once per run,
         # not per piece; runs stay short in bytes so the threads finish together (a
@@ -120,29 +122,30 @@ class Loads:
                    else as_out_view(out, n_pages * pb))
             wanted.append((keys, n_pages, dst))
         planned = []
+        ix = self._index
         with self._mutex:
             self._check_open()
             for keys, n_pages, _ in wanted:
-                cached = self._index.cached_pages(keys)
-                if n_pages <= 0 or cached < n_pages:
+                if n_pages <= 0 or not ix.has_prefix(keys, n_pages):
                     raise NotCachedError(
-                        f"load of {n_pages} pages from {self.directory}: only {cached} "
-                        "cached; call lookup() first and load at most what it returns")
+                        f"load of {n_pages} pages from {self.directory}: only "
+                        f"{ix.cached_pages(keys)} cached; call lookup() first and load at "
+                        "most what it returns")
             for keys, n_pages, dst in wanted:
-                pieces = self._index.plan(keys, n_pages)
+                pieces = ix.plan(keys, n_pages)
                 for rec, _, _ in pieces:
                     rec.pins += 1  # maintenance defers jobs on pinned records
-                    self._index.touch(rec)
                 planned.append((dst, pieces))
+            ix.touch_all([rec for _, pieces in planned for rec, _, _ in pieces])
         return planned
 
     def _unpin(self, planned: list[tuple[memoryview, list[_Piece]]]) -> None:
         with self._mutex:
-            for dst, pieces in planned:
+            for _, pieces in planned:
                 for rec, _, _ in pieces:
                     rec.pins -= 1
-                self._stats.loads += 1
-                self._stats.loaded_bytes += dst.nbytes
+            self._stats.loads += len(planned)
+            self._stats.loaded_bytes += sum(dst.nbytes for dst, _ in planned)
 
     def _read_run(self, reads: list[tuple[Record, int, int, memoryview]]) -> None:
         """Read every piece, even after one failed; then raise the first failure.
