@@ -28,10 +28,21 @@ from phalanx.cache.manifest import MANIFEST_NAME, read_manifest
 from phalanx.cache.open_files import OpenFiles
 from phalanx.cache.record import RecordHeader
 from phalanx.cache.snapshot import SEAL_NAME
+from phalanx.cache.uring import Ring
 
 __all__ = ["stores"]  # the fixture, imported for pytest
 
 PT = GEOM.page_tokens
+
+
+def _rings_here() -> bool:
+    ring = Ring.open()
+    if ring is not None:
+        ring.close()
+    return ring is not None
+
+
+RINGS_HERE = _rings_here()  # this kernel and sandbox offer io_uring
 
 
 def expect_all(store: phalanx.cache.DiskStore, tokens: list[np.ndarray]) -> None:
@@ -110,9 +121,10 @@ def test_load_is_zero_copy_and_fills_a_given_buffer(tmp_path: Path, stores: Stor
     assert bytes(out) == page_row(toks[: 2 * PT])
 
 
-def test_load_many_matches_single_loads_and_is_all_or_nothing(tmp_path: Path,
-                                                              stores: Stores) -> None:
-    s = stores.open(tmp_path, clock=Clock())
+@pytest.mark.parametrize("io_uring", [True, False], ids=["io_uring", "threads"])
+def test_load_many_matches_single_loads_and_is_all_or_nothing(tmp_path: Path, stores: Stores,
+                                                              io_uring: bool) -> None:
+    s = stores.open(tmp_path, clock=Clock(), io_uring=io_uring)
     built = build_tree(s, 60, branchy=True, full_rows=True, seed=5, max_new_pages=3)
     while s.poll():  # thinned rows: prefixes read from descendants' rows
         pass
@@ -122,6 +134,9 @@ def test_load_many_matches_single_loads_and_is_all_or_nothing(tmp_path: Path,
     got = s.load_many(batch)
     assert [bytes(g) for g in got] == [page_row(t[: n * PT]) for t, n in reqs]
     assert all(bytes(o) == bytes(got[2 * i]) for i, o in enumerate(outs))  # filled in place
+    # written here, so verified and kept open: through the rings where the kernel has them
+    assert (s.statistics().io_uring_loaded_bytes > 0) == s.io_uring
+    assert s.io_uring == (io_uring and RINGS_HERE)
     loads = s.statistics().loads
     with pytest.raises(NotCachedError):  # refused before anything is read or pinned
         s.load_many([reqs[0], (np.arange(PT) + 10**9, 1)])
@@ -321,10 +336,13 @@ def test_a_record_stored_over_an_orphans_file_serves_its_own_bytes(tmp_path: Pat
     assert s.check() == [] and bytes(s.load(toks, 12)) == page_row(toks)
 
 
-def test_load_many_catches_a_kept_file_cut_short_under_it(tmp_path: Path, stores: Stores) -> None:
-    """The short path (a verified record, its descriptor held) still checks every read's
-    length: a file another program truncated in place is caught, not served."""
-    s = stores.open(tmp_path)
+@pytest.mark.parametrize("io_uring", [True, False], ids=["io_uring", "threads"])
+def test_load_many_catches_a_kept_file_cut_short_under_it(tmp_path: Path, stores: Stores,
+                                                         io_uring: bool) -> None:
+    """The short paths (a verified record, its descriptor held: through a ring or one
+    preadv) still check every read's length: a file another program truncated in place
+    is caught, not served."""
+    s = stores.open(tmp_path, io_uring=io_uring)
     toks = [np.arange(i * 100, i * 100 + 2 * PT) for i in range(8)]
     s.store_many([(t, page_row(t)) for t in toks])  # written here: verified, kept open
     victim = s._index.records[page_keys(toks[3], PT, fingerprint_digest(FP))[-1]]

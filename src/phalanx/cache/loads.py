@@ -4,10 +4,17 @@ A load plans its pieces (record, first page, stop page) under the store's mutex,
 those records so maintenance defers jobs on them, reads outside the mutex, and checks
 a record's header and page CRCs the first time it is read (``Record.verified``).
 A record that fails is dropped from the index and counted: it is never served.
+
+A ``load_many`` batch reads its small verified pieces through io_uring where the
+kernel offers it (uring.py): in parts the reader threads take in turn, each part one
+system call that copies it, so no Python runs per piece and no thread waits for the
+GIL between reads. The rest (files to open, records to verify, large pieces, reads
+that came back short) go to the reader threads piece by piece.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -15,6 +22,8 @@ import threading
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
+
+import numpy as np
 
 from phalanx.lifecycle.failpoints import Failpoint
 
@@ -28,6 +37,7 @@ from .open_files import OpenFiles
 from .record import page_digest, record_name
 from .recovery import read_header_at
 from .stats import CacheStats
+from .uring import RING_MAX_PIECE, Rings
 
 __all__ = ["LoadRequest", "Loads"]
 
@@ -38,8 +48,12 @@ _FP_LOAD_PINNED = Failpoint("cache.load.pinned", "load planned, records pinned, 
 # (tokens or key chain, pages) or (tokens or key chain, pages, out buffer)
 LoadRequest = tuple[Tokens | KeyChain, int] | tuple[Tokens | KeyChain, int, Any]
 _Piece = tuple[Record, int, int]
+_Read = tuple[Record, int, int, memoryview]  # a piece and the part of dst it fills
 _RUN_PIECES = 16  # at most this many pieces per load_many task
 _RUN_BYTES = 1 << 20  # and about this many bytes
+# a read of the page cache or a local disk takes milliseconds: a batch still reading
+# after this long is on a failing disk or a hung network filesystem
+_RING_DEADLINE_S = 120.0
 
 
 class Loads:
@@ -53,6 +67,7 @@ class Loads:
     _stats: CacheStats
     _reader: ParallelReader
     _files: OpenFiles
+    _rings: Rings | None
 
     def _check_open(self) -> None:
         raise NotImplementedError  # the store's
@@ -89,25 +104,72 @@ class Loads:
         in all). Each request is ``(tokens, n_pages)`` or ``(tokens, n_pages, out)``;
         returns the views in request order. All or nothing: NotCachedError before
         anything is read; RecordCorruptError after every other read finished (the bad
-        record is dropped: a retry after ``lookup`` loads the rest)."""
+        record is dropped: a retry after ``lookup`` loads the rest); TimeoutError when
+        io_uring reads have not finished in two minutes (a failing disk or a hung
+        network filesystem; the rest were cancelled)."""
         planned = self._plan(requests)
         pb = self.geometry.page_bytes
         # a piece that fills its whole destination (a request served by one record, the
         # common case) reads into dst itself, not a slice of it
         reads = [(rec, first, stop, dst if len(pieces) == 1 else dst[first * pb : stop * pb])
                  for dst, pieces in planned for rec, first, stop in pieces]
-        # a task reads a run of pieces: small rows cost a task hand-off once per run,
-        # not per piece; runs stay short in bytes so the threads finish together (a
-        # run of eight 4 MiB rows left one thread reading alone for ~10% of a batch)
-        avg = max(1, sum(v.nbytes for *_, v in reads) // max(1, len(reads)))
-        run = max(1, min(_RUN_PIECES, _RUN_BYTES // avg, len(reads) // (4 * self._reader.threads)))
-        tasks = [partial(self._read_run, reads[i : i + run]) for i in range(0, len(reads), run)]
         try:
             _FP_LOAD_PINNED.hit()
-            self._reader.run_all(tasks)
+            self._read_threads(self._read_rings(reads))
         finally:
             self._unpin(planned)
         return [dst for dst, _ in planned]
+
+    def _read_rings(self, reads: list[_Read]) -> list[_Read]:
+        """Read the pieces that need no Python of their own (a verified record whose
+        descriptor is held, a small piece) through the store's rings; returns the
+        others, and those that came back short or found no free ring: the threads read
+        them the long way."""
+        if self._rings is None or not reads:
+            return reads
+        held = self._files.acquire_held([rec.key for rec, *_ in reads])
+        try:
+            pb = self.geometry.page_bytes
+            rest: list[_Read] = []
+            fast: list[_Read] = []
+            fds, offsets, addrs, lengths = [], [], [], []
+            for read, f in zip(reads, held, strict=True):
+                rec, first, _, view = read
+                if f is None or not rec.verified or view.nbytes >= RING_MAX_PIECE:
+                    rest.append(read)
+                    continue
+                fast.append(read)
+                fds.append(f.fd)
+                offsets.append(rec.file_len - rec.row_len + (first - rec.start) * pb)
+                addrs.append(ctypes.addressof(ctypes.c_char.from_buffer(view)))
+                lengths.append(view.nbytes)
+            if fast:
+                sizes = np.array(lengths, dtype=np.int64)
+                try:
+                    whole = self._rings.read(
+                        np.array(fds, dtype=np.int32), np.array(offsets, dtype=np.int64),
+                        np.array(addrs, dtype=np.uint64), sizes, self._reader.submit,
+                        _RING_DEADLINE_S)
+                except TimeoutError as exc:
+                    exc.add_note(f"loading {len(fast)} pieces from {self.directory}")
+                    raise
+                rest += [read for read, ok in zip(fast, whole.tolist(), strict=True) if not ok]
+                with self._mutex:
+                    self._stats.io_uring_loaded_bytes += int(sizes[whole].sum())
+            return rest
+        finally:
+            self._files.release_all(held)
+
+    def _read_threads(self, reads: list[_Read]) -> None:
+        if not reads:
+            return
+        # a task reads a run of pieces: small rows cost a task hand-off once per run,
+        # not per piece; runs stay short in bytes so the threads finish together (a
+        # run of eight 4 MiB rows left one thread reading alone for ~10% of a batch)
+        avg = max(1, sum(v.nbytes for *_, v in reads) // len(reads))
+        run = max(1, min(_RUN_PIECES, _RUN_BYTES // avg, len(reads) // (4 * self._reader.threads)))
+        tasks = [partial(self._read_run, reads[i : i + run]) for i in range(0, len(reads), run)]
+        self._reader.run_all(tasks)
 
     def _plan(self, requests: Sequence[LoadRequest]) -> list[tuple[memoryview, list[_Piece]]]:
         pb = self.geometry.page_bytes
@@ -147,7 +209,7 @@ class Loads:
             self._stats.loads += len(planned)
             self._stats.loaded_bytes += sum(dst.nbytes for dst, _ in planned)
 
-    def _read_run(self, reads: list[tuple[Record, int, int, memoryview]]) -> None:
+    def _read_run(self, reads: list[_Read]) -> None:
         """Read every piece, even after one failed; then raise the first failure.
 
         The common case takes a short path: a verified record whose descriptor is held

@@ -20,6 +20,7 @@ class CacheStats(msgspec.Struct, kw_only=True):
     stored_bytes: int = 0
     loads: int = 0
     loaded_bytes: int = 0
+    io_uring_loaded_bytes: int = 0  # of loaded_bytes, read through io_uring (uring.py)
     rows_thinned: int = 0
     evictions: int = 0
     expirations: int = 0

@@ -51,6 +51,7 @@ from .recovery import build_index_columns, no_gc, recover
 from .snapshot import collect_facts, save_snapshot, write_seal
 from .stats import CacheStats
 from .stores import StoreResult, Stores
+from .uring import Rings
 
 __all__ = ["DiskStore", "StoreResult"]
 
@@ -82,7 +83,10 @@ class DiskStore(Loads, Stores):
     into such a buffer here; see buffers.py); off, every read is preadv.
     ``open_files`` (default: a quarter of the descriptor limit, at most 4096) record
     files stay open between loads, least recently used out (see open_files.py); 0
-    opens and closes a file per read.
+    opens and closes a file per read. ``io_uring`` (default on): a ``load_many`` batch
+    is read through io_uring where the kernel offers it and there is a worker thread
+    (``load_threads`` of 2 or more; see uring.py); off, or where it does not, on the
+    threads.
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class DiskStore(Loads, Stores):
         load_threads: int | None = None,
         map_reads: bool = True,
         open_files: int | None = None,
+        io_uring: bool = True,
     ) -> None:
         if capacity_bytes <= 0 or max_jobs_per_poll <= 0:
             raise ValueError("capacity_bytes and max_jobs_per_poll must be positive")
@@ -123,6 +128,7 @@ class DiskStore(Loads, Stores):
             load_threads if load_threads is not None else min(4, (os.cpu_count() or 1) + 1),
             map_min=MAP_MIN if map_reads else None)
         self._files = OpenFiles(default_capacity() if open_files is None else open_files)
+        self._rings: Rings | None = None  # one ring per reader thread (see loads.py)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self._lock = DirLock(self.directory)  # first: touch nothing before owning the dir
         try:
@@ -131,6 +137,9 @@ class DiskStore(Loads, Stores):
             with no_gc():
                 result = recover(self.directory, geometry, self.fingerprint, progress=progress)
                 self._index = build_index_columns(result.columns)
+            # one ring per worker thread: ring reads run on those only (see uring.py)
+            workers = self._reader.threads - 1
+            self._rings = Rings.open(workers) if io_uring and workers else None
         except BaseException:  # release the lock on any failure, then re-raise as is
             self._lock.release()
             raise
@@ -186,7 +195,16 @@ class DiskStore(Loads, Stores):
             # outside the mutex: a reader thread finishing a load may need it (a corrupt
             # record is dropped under it), and closing waits for those threads
             self._reader.close()
-            self._files.close()
+            try:
+                if self._rings is not None:
+                    self._rings.close()  # after the parts reading through them
+            finally:
+                self._files.close()
+
+    @property
+    def io_uring(self) -> bool:
+        """``load_many`` reads through io_uring: asked for, and offered by the kernel."""
+        return self._rings is not None
 
     def snapshot(self) -> int:
         """Write the header snapshot now (see cache/snapshot.py), so that a reopen after
