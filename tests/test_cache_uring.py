@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from cache_util import GEOM, PB, Stores, page_row, stores
+from phalanx.cache import StoreClosedError
 from phalanx.cache.buffers import aligned_empty
 from phalanx.cache.uring import SQE_MAX_BYTES, Ring, Rings
 from phalanx.lifecycle import FailpointError
@@ -138,36 +139,46 @@ def test_the_store_reads_with_threads_where_the_kernel_refuses_io_uring(
     assert st.io_uring_loaded_bytes == 0 and st.loaded_bytes == 20 * 3 * PB
 
 
-def test_loads_racing_close_and_each_other_serve_right_bytes_or_refuse(
+def _until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_loads_racing_each_other_and_close_serve_right_bytes_or_refuse(
         tmp_path: Path, stores: Stores) -> None:
     """Batches at once share the rings (a part without a free ring goes to threads); a
-    batch planned before close() finishes on threads; later ones are refused."""
+    batch planned before close() finishes (on threads: the rings are closed); a batch
+    after it is refused."""
     s = stores.open(tmp_path)
     toks = [np.arange(i * 100, i * 100 + 2 * PT) for i in range(64)]
     s.store_many([(t, page_row(t)) for t in toks])
     want = [page_row(t) for t in toks]
+    reqs = [(t, 2) for t in toks]
     outcomes: list[str] = []
 
-    def loader() -> None:
-        for _ in range(50):
-            try:
-                got = s.load_many([(t, 2) for t in toks])
-            except Exception as exc:  # noqa: BLE001  recorded, asserted below
-                outcomes.append(type(exc).__name__)
-                return
+    def loader(times: int) -> None:
+        for _ in range(times):
+            got = s.load_many(reqs)
             outcomes.append("ok" if [bytes(g) for g in got] == want else "WRONG BYTES")
 
-    threads = [threading.Thread(target=loader) for _ in range(3)]
+    threads = [threading.Thread(target=loader, args=(20,)) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
-    arm("cache.load.pinned", "delay:0.2")  # batches planned now read after the close
-    time.sleep(0.05)
-    s.close()
     for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads)
-    assert set(outcomes) <= {"ok", "StoreClosedError"} and "ok" in outcomes, outcomes
+        t.join(60)
+    assert outcomes == ["ok"] * 60
+
+    arm("cache.load.pinned", "delay:0.5*1")  # the next batch, planned and pinned, waits
+    late = threading.Thread(target=loader, args=(1,))
+    late.start()
+    _until(lambda: any(r.pins for r in s._index.records.values()), "the batch to pin")
+    s.close()
+    late.join(30)
+    assert outcomes == ["ok"] * 61
+    with pytest.raises(StoreClosedError):
+        s.load_many(reqs)
 
 
 def test_an_error_with_reads_in_flight_cancels_them_before_it_goes_up(ring: Ring) -> None:
@@ -239,17 +250,22 @@ def test_a_ring_that_fails_with_a_read_in_flight_waits_for_it_first(ring: Ring) 
     r, w = os.pipe()
     out = aligned_empty(4096)
     out[:] = 0
-    writer = threading.Timer(1.3, os.write, (w, b"z" * 4096))  # after the first wait
+    landed = threading.Event()
+
+    def write_once_failed() -> None:  # the read is in flight on a ring that has failed
+        _until(lambda: not ring.usable, "the ring to fail")
+        os.write(w, b"z" * 4096)
+        landed.set()
+
+    writer = threading.Thread(target=write_once_failed)
     try:
         arm("cache.uring.enter", "errno:9@1*1")  # the wait after the submission fails
         writer.start()
-        t0 = time.monotonic()
         with pytest.raises(OSError, match="io_uring_enter"):
             ring.read(np.array([r], dtype=np.int32), np.zeros(1, dtype=np.int64),
                       np.array([_addr(out)], dtype=np.uint64),
                       np.array([4096], dtype=np.int64), deadline_s=30.0)
-        assert time.monotonic() - t0 >= 1.25 and bytes(out) == b"z" * 4096
-        assert not ring.usable
+        assert landed.is_set() and bytes(out) == b"z" * 4096
     finally:
         disarm_all()
         writer.join()

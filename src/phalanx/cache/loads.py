@@ -6,7 +6,7 @@ a record's header and page CRCs the first time it is read (``Record.verified``).
 A record that fails is dropped from the index and counted: it is never served.
 
 A ``load_many`` batch reads its small verified pieces through io_uring where the
-kernel offers it (uring.py): in parts the reader threads take in turn, each part one
+kernel offers it (uring.py): in parts the worker threads take in turn, each part one
 system call that copies it, so no Python runs per piece and no thread waits for the
 GIL between reads. The rest (files to open, records to verify, large pieces, reads
 that came back short) go to the reader threads piece by piece.

@@ -6,7 +6,7 @@ wake-ups. Through a ring, a part of the batch is written as submission entries b
 few numpy operations and handed to the kernel by one ``io_uring_enter``; a read whose
 pages are in the page cache is copied right there, in that system call, with the GIL
 released (a page cache miss goes to the kernel's I/O workers and completes later).
-``Rings`` holds one ring per reader thread and splits a batch into parts the reader
+``Rings`` holds one ring per worker thread and splits a batch into parts the worker
 threads take in turn, so every core copies and no Python runs between the reads of a
 part. On this 2-core VM, 1,024 files of 256 KiB just written, in one process: two
 threads with a ring each 12.3-13.0 GB/s against 8.8-9.3 for a preadv loop on three
@@ -70,7 +70,7 @@ SQE_MAX_BYTES = 1 << 20
 # piece's Python is nothing beside its copy, and threads split it across cores
 RING_MAX_PIECE = 1 << 20
 # A batch is cut into parts of about this many bytes (at least one per ring): the
-# reader threads take parts in turn, so a thread that started late takes fewer
+# worker threads take parts in turn, so a thread that started late takes fewer
 _PART_BYTES = 16 << 20
 
 _SYS_SETUP, _SYS_ENTER = 425, 426  # the same numbers on every Linux architecture
@@ -424,7 +424,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Rings:
-    """One ring per reader thread: a batch's reads in parts, on the threads at once."""
+    """One ring per worker thread: a batch's reads in parts, on those threads at once."""
 
     def __init__(self, rings: list[Ring]) -> None:
         self._rings = rings
@@ -454,12 +454,12 @@ class Rings:
              submit: Callable[..., Future[Any] | None],
              deadline_s: float) -> npt.NDArray[np.bool_]:
         """``Ring.read`` of the batch, cut into parts of about equal bytes that the
-        reader threads (``submit``) take in turn, each through a free ring; returns
+        worker threads (``submit``) take in turn, each through a free ring; returns
         when every part is done. A part that finds no free ring (another batch holds
         them all), a failed ring, or no thread to run it reads nothing: its reads come
         back False, like short ones. Raises TimeoutError as ``Ring.read`` does.
 
-        Parts run on the reader threads only, never the caller's: a KeyboardInterrupt
+        Parts run on the worker threads only, never the caller's: a KeyboardInterrupt
         (raised in the main thread only) must not land between a system call that
         submitted entries and the count of them, which would leave the ring unable to
         tell what is in flight."""
@@ -489,7 +489,7 @@ class Rings:
         futures = []
         for lo, hi in itertools.pairwise(bounds):
             future = submit(part, lo, hi)
-            if future is None:  # no reader thread (closing): the threads path reads them
+            if future is None:  # no worker thread (closing): the threads path reads them
                 break
             futures.append(future)
         wait_all(futures)  # through a KeyboardInterrupt too: parts write into the caller's
