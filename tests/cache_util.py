@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from phalanx.cache import DiskStore, Geometry
-from phalanx.cache.files import STAGING_DIR
-from phalanx.cache.keys import KeyChain
+from phalanx.kvstore import DiskStore, Geometry
+from phalanx.kvstore.files import STAGING_DIR
+from phalanx.kvstore.keys import KeyChain
 from phalanx.lifecycle import failpoints
 
 GEOM = Geometry(layers=1, kv_heads=1, head_dim=4, dtype="float16", page_tokens=4)

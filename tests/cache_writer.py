@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np
 
 from cache_util import FP, GEOM, page_row
-from phalanx.cache import DiskStore
+from phalanx.kvstore import DiskStore
 from phalanx.lifecycle import failpoints
 
 CAPACITY = 48 * 1024

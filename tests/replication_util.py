@@ -8,7 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from phalanx.cache import Geometry, ReplicatedCache
+from phalanx.kvstore import Geometry
+from phalanx.replication import ReplicatedCache
 from phalanx.runtime import Worker
 
 GEOM = Geometry(layers=1, kv_heads=1, head_dim=4, dtype="float16", page_tokens=4)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from cache_util import GEOM, PB, Stores, page_row, record_files, stores, temp_files
-from phalanx.cache import (
+from phalanx.kvstore import (
     DiskFullError,
     ForeignStoreError,
     Geometry,
@@ -24,8 +24,8 @@ from phalanx.cache import (
     StoreClosedError,
     StoreLockedError,
 )
-from phalanx.cache.audit import inspect_directory
-from phalanx.cache.snapshot import SEAL_NAME
+from phalanx.kvstore.audit import inspect_directory
+from phalanx.kvstore.snapshot import SEAL_NAME
 from phalanx.lifecycle import FailpointError, failpoints
 
 __all__ = ["stores"]
@@ -49,7 +49,7 @@ def test_directory_locked_by_another_live_process(tmp_path: Path, stores: Stores
             import sys
             sys.path.insert(0, {str(Path(__file__).parent)!r})
             from cache_util import GEOM, FP
-            from phalanx.cache import DiskStore
+            from phalanx.kvstore import DiskStore
             with DiskStore({str(tmp_path)!r}, GEOM, FP, 1 << 20, progress=False):
                 print("open", flush=True)
                 sys.stdin.readline()
@@ -152,7 +152,7 @@ def test_bit_rot_in_a_row_is_caught_on_first_load(tmp_path: Path, stores: Stores
 
 
 def test_short_token_lists(tmp_path: Path, stores: Stores) -> None:
-    from phalanx.cache import RowSpanError
+    from phalanx.kvstore import RowSpanError
 
     s = stores.open(tmp_path)
     assert s.lookup(TOKS[: PT - 1]) == 0
@@ -216,7 +216,7 @@ def test_full_disk_fails_the_store_cleanly_and_keeps_serving(tmp_path: Path) -> 
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import numpy as np
         from cache_util import GEOM, FP, page_row, temp_files
-        from phalanx.cache import DiskStore, DiskFullError
+        from phalanx.kvstore import DiskStore, DiskFullError
         d = {str(d)!r}
         with DiskStore(d, GEOM, FP, 1 << 30, progress=False) as s:
             stored = []

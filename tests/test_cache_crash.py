@@ -14,7 +14,7 @@ import pytest
 
 from cache_util import GEOM, Stores, page_row, record_files, stores, temp_files
 from cache_writer import prefixes
-from phalanx.cache.audit import verify_directory
+from phalanx.kvstore.audit import verify_directory
 
 __all__ = ["stores"]
 

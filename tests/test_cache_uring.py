@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from cache_util import GEOM, PB, Stores, page_row, stores
-from phalanx.cache import StoreClosedError
-from phalanx.cache.buffers import aligned_empty
-from phalanx.cache.uring import SQE_MAX_BYTES, Ring, Rings
+from phalanx.kvstore import StoreClosedError
+from phalanx.kvstore.buffers import aligned_empty
+from phalanx.kvstore.uring import SQE_MAX_BYTES, Ring, Rings
 from phalanx.lifecycle import FailpointError
 from phalanx.lifecycle.failpoints import arm, disarm_all
 

@@ -13,15 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from phalanx.cache import (
-    DiskStore,
-    LinkAuthError,
-    LinkClosedError,
-    LinkStalledError,
-    ReplicationError,
-)
-from phalanx.cache.frames import RecordSet
-from phalanx.cache.link import accept_peer, connect_leader, listen
+from phalanx.kvstore import DiskStore
+from phalanx.replication import LinkAuthError, LinkClosedError, LinkStalledError, ReplicationError
+from phalanx.replication.frames import RecordSet
+from phalanx.replication.link import accept_peer, connect_leader, listen
 from phalanx.runtime import Worker
 from replication_util import (
     FP,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import sys
 
@@ -11,23 +12,33 @@ import click
 from phalanx import __version__
 
 # Subcommand modules, imported lazily by the root group so `phalanx --help` stays fast
-# and torch is never imported unless a subcommand needs it.
+# and torch is never imported unless a subcommand needs it. Commands of layers above
+# serve (``phalanx bench``) come from the ``phalanx.commands`` entry point group, so
+# this layer never imports them.
 _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("phalanx.serve.cli.demo", "demo"),
     "doctor": ("phalanx.serve.cli.doctor", "doctor"),
-    "bench": ("phalanx.serve.cli.bench", "bench"),
     "cache": ("phalanx.serve.cli.cache", "cache"),
 }
 
 
+def _plugins() -> list[importlib.metadata.EntryPoint]:
+    return list(importlib.metadata.entry_points(group="phalanx.commands"))
+
+
 class _LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(name for name in _COMMANDS if self.get_command(ctx, name) is not None)
+        names = set(_COMMANDS) | {ep.name for ep in _plugins()}
+        return sorted(name for name in names if self.get_command(ctx, name) is not None)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         target = _COMMANDS.get(cmd_name)
         if target is None:
-            return None
+            plugin = next((ep for ep in _plugins() if ep.name == cmd_name), None)
+            if plugin is None:
+                return None
+            loaded: click.Command = plugin.load()
+            return loaded
         module_name, attr = target
         try:
             module = importlib.import_module(module_name)

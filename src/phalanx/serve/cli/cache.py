@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from phalanx.cache.audit import inspect_directory, verify_directory
+from phalanx.kvstore.audit import inspect_directory, verify_directory
 
 __all__ = ["cache"]
 
@@ -68,7 +68,7 @@ def verify_cmd(directory: str, as_json: bool) -> None:
 
 
 def _geometry(page_tokens: int) -> Any:
-    from phalanx.cache import Geometry
+    from phalanx.kvstore import Geometry
 
     # the synthetic shard of the tests and the benchmark: small rows, many records
     return Geometry(layers=1, kv_heads=1, head_dim=4, dtype="float16", page_tokens=page_tokens)
@@ -88,7 +88,7 @@ def synth_cmd(directory: str, tp: int, records: int, shape: str, page_tokens: in
               uncompacted: bool, fingerprint: str, seed: int) -> None:
     """Write the per-rank directories a TP-N job would have left, through the real
     replicated store path with the synthetic KV source."""
-    from phalanx.cache import ReplicatedCache
+    from phalanx.replication import ReplicatedCache
     from phalanx.runtime import Worker
 
     with Worker(ranks=tp) as w:
@@ -121,7 +121,7 @@ def maintain_cmd(directory: str, tp: int, max_age: float | None, capacity: int,
     maintenance to completion through the links, print the counts and exit."""
     import time
 
-    from phalanx.cache import ReplicatedCache
+    from phalanx.replication import ReplicatedCache
     from phalanx.runtime import Worker
 
     t0 = time.monotonic()

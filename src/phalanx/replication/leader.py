@@ -28,18 +28,19 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from phalanx.kvstore.keys import ROOT_KEY, KeyChain, Tokens
+from phalanx.kvstore.maintenance import Job, JobKind
+from phalanx.kvstore.store import DiskStore, StoreResult
+
 from ._errors import ReplicaDivergedError
 from .frames import Bye, LoadOp, Reconcile, RecordSet, StoreOp, records_digest
-from .keys import ROOT_KEY, KeyChain, Tokens
 from .kv_source import KVSource
 from .link import PeerLink
-from .maintenance import Job, JobKind
 from .reconcile import ReconcilePlan, plan
-from .store import DiskStore, StoreResult
 
 __all__ = ["JobCollector", "Leader", "MaintainReport"]
 
-log = logging.getLogger("phalanx.cache")
+log = logging.getLogger("phalanx.replication")
 
 
 class JobCollector:

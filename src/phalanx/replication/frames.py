@@ -20,8 +20,9 @@ from typing import Union
 
 import msgspec
 
+from phalanx.kvstore.maintenance import Job
+
 from ._errors import LinkClosedError, LinkProtocolError
-from .maintenance import Job
 
 __all__ = [
     "PROTOCOL_VERSION", "Ack", "Bye", "Challenge", "Frame", "FrameReader", "Hello", "JobOp",

@@ -1,4 +1,8 @@
-"""``phalanx bench NAME``: the benchmarks. Each lives in ``phalanx.serve.bench.<name>``."""
+"""``phalanx bench NAME``: the benchmarks. Each lives in ``phalanx_bench.<name>``.
+
+The ``phalanx`` CLI (``phalanx.serve``) finds this group through the ``phalanx.commands``
+entry point, so the CLI never imports the layer above it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import importlib
 
 import click
 
-# name on the command line -> module under phalanx.serve.bench exposing `command`
+# name on the command line -> module under phalanx_bench exposing `command`
 _BENCHES: dict[str, str] = {
     "worker": "worker",
     "rendezvous": "rendezvous",
@@ -24,7 +28,7 @@ class _BenchGroup(click.Group):
         module_name = _BENCHES.get(cmd_name)
         if module_name is None:
             return None
-        full = f"phalanx.serve.bench.{module_name}"
+        full = f"phalanx_bench.{module_name}"
         try:
             module = importlib.import_module(full)
         except ModuleNotFoundError as exc:

@@ -19,15 +19,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from phalanx.kvstore import StoreClosedError
+from phalanx.kvstore.geometry import Geometry
+from phalanx.kvstore.keys import KeyChain, Tokens
+from phalanx.kvstore.store import StoreResult
 from phalanx.runtime import Orchestrator, Worker, WorkerError
 
 from . import _rank_tasks as rt
-from ._errors import ReplicaDivergedError, StoreClosedError
-from .geometry import Geometry
-from .keys import KeyChain, Tokens
+from ._errors import ReplicaDivergedError
 from .kv_source import KVSourceFactory, SyntheticSource
 from .leader import MaintainReport
-from .store import StoreResult
 from .synth import SynthReport
 
 __all__ = ["ReplicatedCache", "rank_directories"]

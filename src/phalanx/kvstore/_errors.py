@@ -1,4 +1,4 @@
-"""Errors of the cache layer.
+"""Errors of the kvstore layer (one rank's persistent prefix store).
 
 Every error names the directory, the record key or file, the errno where there is one,
 and what the caller can do about it.
@@ -15,13 +15,7 @@ and what the caller can do about it.
         │   └── DiskFullError           ... because the disk is full (ENOSPC)
         ├── RecordCorruptError        a record failed its checksum while being loaded
         ├── NotCachedError            load() asked for pages that are not cached (KeyError)
-        └── ReplicationError          rank 0 and its peers could not keep their stores identical
-            ├── LinkAuthError           a peer's job-token proof (or the leader's) did not match
-            ├── LinkProtocolError       a frame of another version, type or size arrived
-            ├── LinkClosedError         the connection to a peer closed or failed
-            ├── LinkStalledError        a peer made no progress on its jobs for job_timeout
-            ├── PeerJobError            a peer applied a job and reported an error
-            └── ReplicaDivergedError    after reconciliation the ranks' record sets still differ
+        └── ReplicationError          (phalanx.replication) rank 0 and its peers disagree
 """
 
 from __future__ import annotations
@@ -34,15 +28,8 @@ __all__ = [
     "DiskFullError",
     "ForeignStoreError",
     "GeometryMismatchError",
-    "LinkAuthError",
-    "LinkClosedError",
-    "LinkProtocolError",
-    "LinkStalledError",
     "NotCachedError",
-    "PeerJobError",
     "RecordCorruptError",
-    "ReplicaDivergedError",
-    "ReplicationError",
     "RowSpanError",
     "StoreClosedError",
     "StoreLockedError",
@@ -95,31 +82,3 @@ class NotCachedError(CacheError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
-
-
-class ReplicationError(CacheError):
-    """Root of replication failures. Flow control is never one: a full window waits."""
-
-
-class LinkAuthError(ReplicationError):
-    """A peer (or the leader) failed the job-token proof at connect; nothing was applied."""
-
-
-class LinkProtocolError(ReplicationError):
-    """A frame of another protocol version, an unknown type, or over the size limit."""
-
-
-class LinkClosedError(ReplicationError):
-    """The connection to a peer closed (the peer died or closed) with jobs outstanding."""
-
-
-class LinkStalledError(ReplicationError):
-    """A peer made no progress on its outstanding jobs for ``job_timeout`` seconds."""
-
-
-class PeerJobError(ReplicationError):
-    """A peer reported an error applying a job; its directory may now differ."""
-
-
-class ReplicaDivergedError(ReplicationError):
-    """After start-up reconciliation the ranks still disagree; the job does not serve."""

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .keys import KeyChain
+from phalanx.kvstore.keys import KeyChain
+
 from .leader import Leader
 
 __all__ = ["SHAPES", "SynthReport", "synthesize"]

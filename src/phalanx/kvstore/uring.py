@@ -58,7 +58,7 @@ from .buffers import wait_all
 
 __all__ = ["RING_MAX_PIECE", "SQE_MAX_BYTES", "Ring", "Rings"]
 
-log = logging.getLogger("phalanx.cache")
+log = logging.getLogger("phalanx.kvstore")
 
 _FP_SETUP = Failpoint("cache.uring.setup", "about to create the io_uring (errno: unavailable)")
 _FP_ENTER = Failpoint("cache.uring.enter", "about to submit to or wait on a ring (errno: "

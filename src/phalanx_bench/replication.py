@@ -29,12 +29,13 @@ from typing import Any
 import click
 import numpy as np
 
-from phalanx.cache import Geometry, ReplicatedCache
-from phalanx.cache import _rank_tasks as rt
-from phalanx.cache.frames import JobOp, encode
-from phalanx.cache.kv_source import StagedSource
-from phalanx.cache.leader import Leader
-from phalanx.cache.maintenance import Job, JobKind
+from phalanx.kvstore import Geometry
+from phalanx.kvstore.maintenance import Job, JobKind
+from phalanx.replication import ReplicatedCache
+from phalanx.replication import _rank_tasks as rt
+from phalanx.replication.frames import JobOp, encode
+from phalanx.replication.kv_source import StagedSource
+from phalanx.replication.leader import Leader
 from phalanx.runtime import Worker
 
 from ._stats import emit, percentile

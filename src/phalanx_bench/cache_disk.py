@@ -37,10 +37,10 @@ from typing import Any
 import click
 import numpy as np
 
-from phalanx.cache import DiskStore, Geometry
-from phalanx.cache.buffers import aligned_empty
-from phalanx.cache.keys import KeyChain
-from phalanx.cache.snapshot import SEAL_NAME, SNAPSHOT_NAME
+from phalanx.kvstore import DiskStore, Geometry
+from phalanx.kvstore.buffers import aligned_empty
+from phalanx.kvstore.keys import KeyChain
+from phalanx.kvstore.snapshot import SEAL_NAME, SNAPSHOT_NAME
 
 from ._stats import emit, median
 
@@ -76,8 +76,8 @@ def _timed(fn: Callable[[], object], writes: int = 0) -> float:
 # one recovery step in a fresh interpreter: argv = directory, mode, expected records
 _RESTART = """
 import os, sys, time
-from phalanx.cache import DiskStore
-from phalanx.serve.bench.cache_disk import RECOVERY_GEOMETRY
+from phalanx.kvstore import DiskStore
+from phalanx_bench.cache_disk import RECOVERY_GEOMETRY
 d, mode = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 if mode == "bare":

@@ -55,7 +55,7 @@ from .uring import Rings
 
 __all__ = ["DiskStore", "StoreResult"]
 
-log = logging.getLogger("phalanx.cache")
+log = logging.getLogger("phalanx.kvstore")
 
 _FP_SEAL = Failpoint("cache.close.seal", "close wrote the snapshot; about to seal it")
 

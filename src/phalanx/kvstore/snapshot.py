@@ -69,7 +69,7 @@ __all__ = [
     "write_snapshot",
 ]
 
-log = logging.getLogger("phalanx.cache")
+log = logging.getLogger("phalanx.kvstore")
 
 SNAPSHOT_NAME = "phalanx-index.snap"
 SEAL_NAME = "phalanx-index.seal"

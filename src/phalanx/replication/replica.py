@@ -18,6 +18,9 @@ import socket
 import threading
 import zlib
 
+from phalanx.kvstore.keys import KeyChain
+from phalanx.kvstore.maintenance import Job, JobKind
+from phalanx.kvstore.store import DiskStore
 from phalanx.lifecycle.failpoints import Failpoint
 
 from ._errors import LinkClosedError, ReplicationError
@@ -33,14 +36,11 @@ from .frames import (
     encode,
     records_digest,
 )
-from .keys import KeyChain
 from .kv_source import KVSource
-from .maintenance import Job, JobKind
-from .store import DiskStore
 
 __all__ = ["Replica"]
 
-log = logging.getLogger("phalanx.cache")
+log = logging.getLogger("phalanx.replication")
 
 _FP_APPLY = Failpoint("cache.replica.apply", "a peer is about to apply one of rank 0's ops")
 _CHAINS = 16  # recent prefixes kept: a store usually extends the previous one

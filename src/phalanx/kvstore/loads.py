@@ -41,7 +41,7 @@ from .uring import RING_MAX_PIECE, Rings
 
 __all__ = ["LoadRequest", "Loads"]
 
-log = logging.getLogger("phalanx.cache")
+log = logging.getLogger("phalanx.kvstore")
 
 _FP_LOAD_PINNED = Failpoint("cache.load.pinned", "load planned, records pinned, not yet read")
 

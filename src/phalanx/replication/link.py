@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from phalanx.kvstore.maintenance import Job
 from phalanx.lifecycle.failpoints import Failpoint
 
 from ._errors import (
@@ -48,7 +49,6 @@ from .frames import (
     encode,
     proof,
 )
-from .maintenance import Job
 
 __all__ = ["PeerLink", "accept_peer", "connect_leader", "listen"]
 

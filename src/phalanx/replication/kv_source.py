@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .geometry import Geometry
+from phalanx.kvstore.geometry import Geometry
 
 __all__ = ["KVSource", "KVSourceFactory", "StagedSource", "SyntheticSource"]
 

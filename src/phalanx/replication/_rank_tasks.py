@@ -16,17 +16,17 @@ from typing import Any
 
 import msgspec
 
+from phalanx.kvstore.geometry import Geometry
+from phalanx.kvstore.keys import KeyChain
+from phalanx.kvstore.store import DiskStore
 from phalanx.runtime import _context
 
 from ._errors import ReplicationError
 from .frames import RecordSet, records_digest
-from .geometry import Geometry
-from .keys import KeyChain
 from .kv_source import KVSource, KVSourceFactory
 from .leader import JobCollector, Leader
 from .link import PeerLink, accept_peer, connect_leader, listen
 from .replica import Replica
-from .store import DiskStore
 from .synth import synthesize
 
 __all__ = ["OpenConfig"]

@@ -47,7 +47,7 @@ __all__ = [
     "ScanResult", "build_index", "build_index_columns", "no_gc", "read_header", "recover", "scan",
 ]
 
-log = logging.getLogger("phalanx.cache")
+log = logging.getLogger("phalanx.kvstore")
 
 _OURS = frozenset({LOCK_NAME, MANIFEST_NAME, QUARANTINE_DIR, SEAL_NAME, SNAPSHOT_NAME,
                    STAGING_DIR})

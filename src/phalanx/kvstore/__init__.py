@@ -1,0 +1,50 @@
+"""The kvstore layer: one rank's persistent prefix-cache store (see DESIGN.md, Layers).
+
+:class:`DiskStore` keeps a record per stored span of pages in one directory: recovered
+at open, capped, aged and compacted by ``poll()`` in bounded bursts, audited by
+``check()``. It knows nothing of ranks, peers or networks; the maintenance
+:class:`Job` messages are what a replication layer above carries between ranks. Imports
+only :mod:`phalanx.lifecycle` (and no torch: tensors are accepted lazily).
+"""
+
+from ._errors import (
+    CacheError,
+    CapacityError,
+    DiskFullError,
+    ForeignStoreError,
+    GeometryMismatchError,
+    NotCachedError,
+    RecordCorruptError,
+    RowSpanError,
+    StoreClosedError,
+    StoreLockedError,
+    StoreWriteError,
+)
+from .geometry import Geometry
+from .keys import fingerprint_digest, page_keys
+from .maintenance import Job, JobKind, JobOutcome
+from .stats import CacheStats
+from .store import DiskStore, StoreResult
+
+__all__ = [
+    "CacheError",
+    "CacheStats",
+    "CapacityError",
+    "DiskFullError",
+    "DiskStore",
+    "ForeignStoreError",
+    "Geometry",
+    "GeometryMismatchError",
+    "Job",
+    "JobKind",
+    "JobOutcome",
+    "NotCachedError",
+    "RecordCorruptError",
+    "RowSpanError",
+    "StoreClosedError",
+    "StoreLockedError",
+    "StoreResult",
+    "StoreWriteError",
+    "fingerprint_digest",
+    "page_keys",
+]
