@@ -63,10 +63,19 @@ class CleanupJournal:
 
         Steps that fail stay owed; a later call retries them (and only them).
         """
+        self._run_entries(None)
+
+    def run_only(self, name: str) -> None:
+        """Run the owed steps named ``name`` (newest first), like :meth:`run`."""
+        self._run_entries(name)
+
+    def _run_entries(self, name: str | None) -> None:
         with self._lock:
             errors: list[Exception] = []
             failed: list[str] = []
             for entry in list(reversed(self._entries)):
+                if name is not None and entry.name != name:
+                    continue
                 entry.attempts += 1
                 try:
                     entry.step()

@@ -8,12 +8,15 @@ from ._errors import (
     RankStartError,
     RemoteTaskError,
     RunClosedError,
+    ServiceExistsError,
+    ServiceNotFoundError,
     TaskTimeoutError,
     WorkerClosedError,
     WorkerError,
     WorkerPoisonedError,
 )
 from .run import Orchestrator, RunHandle, RunState
+from .services import RankServices, rank_services
 from .stats import WorkerStats
 from .tasks import TaskFuture
 from .worker import Worker, WorkerState
@@ -22,11 +25,14 @@ __all__ = [
     "MessageTooLargeError",
     "Orchestrator",
     "RankDiedError",
+    "RankServices",
     "RankStartError",
     "RemoteTaskError",
     "RunClosedError",
     "RunHandle",
     "RunState",
+    "ServiceExistsError",
+    "ServiceNotFoundError",
     "TaskFuture",
     "TaskTimeoutError",
     "Worker",
@@ -36,4 +42,5 @@ __all__ = [
     "WorkerState",
     "WorkerStats",
     "current_rank",
+    "rank_services",
 ]

@@ -9,7 +9,9 @@
         ├── TaskTimeoutError       a task ran past its deadline
         ├── RunClosedError         a run's orchestrator was used after its orch function returned
         ├── MessageTooLargeError   a control-channel message exceeds the size limit
-        └── RemoteTaskError        a task raised an exception that could not be sent back as is
+        ├── RemoteTaskError        a task raised an exception that could not be sent back as is
+        ├── ServiceExistsError     a rank service of that name is already registered
+        └── ServiceNotFoundError   no rank service of that name (or not in a rank process)
 """
 
 from __future__ import annotations
@@ -77,3 +79,11 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return f'\n"""\n{self.tb}"""'
+
+
+class ServiceExistsError(WorkerError):
+    """A rank service of that name is already registered in this rank process."""
+
+
+class ServiceNotFoundError(WorkerError, LookupError):
+    """No live rank service of that name here (never opened, closed, or in the parent)."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import cloudpickle
 
-from phalanx.lifecycle import failpoints
+from phalanx.lifecycle import CleanupError, failpoints
 from phalanx.rendezvous import current
 
 from . import _context
@@ -35,6 +35,7 @@ from ._errors import RemoteTaskError
 from ._rank_points import START_BEFORE_HELLO as _START_BEFORE_HELLO
 from ._rank_points import TASK_RECEIVED as _TASK_RECEIVED
 from .channel import Kind, RankChannel, check_size
+from .services import existing_rank_services
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_TIMERSLACK = 29
@@ -224,6 +225,16 @@ class _Rank:
                 t = self._threads[joined]
             t.join()
             joined += 1
+        # The Worker's close journal asked for this before SHUTDOWN and reported the
+        # outcome; what is still registered (that step failed, or the parent never
+        # asked) is closed here so the process never exits holding a service.
+        registry = existing_rank_services()
+        if registry is not None:
+            try:
+                registry.close_all()
+            except CleanupError as exc:
+                log.error("rank %d: rank services failed to close at shutdown: %s",
+                          self.rank, exc)
         self.channel.send(Kind.BYE, self._shutdown_id, b"")
         return 0
 
