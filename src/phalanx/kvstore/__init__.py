@@ -20,13 +20,17 @@ from ._errors import (
     StoreLockedError,
     StoreWriteError,
 )
+from .buffers import aligned_empty
 from .geometry import Geometry
-from .keys import fingerprint_digest, page_keys
+from .keys import KeyChain, Tokens, fingerprint_digest, page_keys
 from .maintenance import Job, JobKind, JobOutcome
+from .snapshot import SEAL_NAME, SNAPSHOT_NAME
 from .stats import CacheStats
 from .store import DiskStore, StoreResult
 
 __all__ = [
+    "SEAL_NAME",
+    "SNAPSHOT_NAME",
     "CacheError",
     "CacheStats",
     "CapacityError",
@@ -38,6 +42,7 @@ __all__ = [
     "Job",
     "JobKind",
     "JobOutcome",
+    "KeyChain",
     "NotCachedError",
     "RecordCorruptError",
     "RowSpanError",
@@ -45,6 +50,8 @@ __all__ = [
     "StoreLockedError",
     "StoreResult",
     "StoreWriteError",
+    "Tokens",
+    "aligned_empty",
     "fingerprint_digest",
     "page_keys",
 ]
