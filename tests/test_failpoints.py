@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-import phalanx  # noqa: F401  (declares the catalogue)
+import phalanx
 from phalanx.lifecycle import FailpointError, failpoints
+from phalanx.lifecycle.catalogue import layer_of
 from phalanx.lifecycle.failpoints import Failpoint, FailpointSpecError
 
 
@@ -42,3 +47,54 @@ def test_env_arming() -> None:
     failpoints.arm_from_env("rank.task.received=hang:0.01;worker.run.admitted=raise")
     assert failpoints.armed() == {"rank.task.received": "hang:0.01",
                                   "worker.run.admitted": "raise"}
+
+
+def test_a_name_outside_the_catalogue_is_refused_at_declaration() -> None:
+    with pytest.raises(FailpointSpecError, match="not in the catalogue"):
+        Failpoint("cache.store.temp_opend")  # a typo of a real point
+    with pytest.raises(FailpointSpecError, match="declared twice"):
+        Failpoint("worker.run.admitted")  # phalanx.runtime.worker declares it
+
+
+def test_every_catalogued_point_is_declared_by_the_code_and_nothing_else() -> None:
+    """The table and the declarations agree once every module of phalanx is imported."""
+    code = (
+        "import pkgutil, phalanx, importlib\n"
+        "from phalanx.lifecycle import failpoints\n"
+        "for m in pkgutil.walk_packages(phalanx.__path__, 'phalanx.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "extra = sorted(set(failpoints.catalogue()) - set(failpoints.declared()))\n"
+        "assert not extra, f'catalogued but declared by no module: {extra}'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_import_phalanx_alone_can_arm_the_whole_catalogue_from_the_environment() -> None:
+    names = failpoints.catalogue()
+    assert {layer_of(n) for n in names} >= {"rendezvous", "runtime", "comm", "kvstore",
+                                            "replication"}
+    code = (
+        "import sys, phalanx\n"
+        "from phalanx.lifecycle import failpoints\n"
+        "failpoints.arm_from_env()\n"
+        "assert 'phalanx.kvstore' not in sys.modules and 'torch' not in sys.modules\n"
+        "print(len(failpoints.armed()))\n"
+    )
+    env = {**os.environ, failpoints.ENV_VAR: failpoints.encode_env(
+        dict.fromkeys(names, "raise@1000000"))}
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env,
+                         capture_output=True, text=True)
+    assert int(out.stdout) == len(names)
+
+
+def _armed_here() -> dict[str, str]:
+    return failpoints.armed()
+
+
+def test_a_worker_arms_the_whole_catalogue_at_rank_start() -> None:
+    """``Worker(failpoints=)`` reaches ranks that imported only phalanx (kvstore points too)."""
+    names = failpoints.catalogue()
+    # Armed to fire after a million hits: every point is live, none fires.
+    with phalanx.Worker(ranks=1, failpoints=dict.fromkeys(names, "raise@1000000")) as w:
+        armed = w.run(lambda o: o.submit(0, _armed_here).result())
+    assert sorted(armed) == sorted(names)

@@ -1,11 +1,16 @@
 """Named failpoints in the production code path.
 
-A failpoint is declared once, at import time of the module that carries it, and hit
-at its acquisition or release step::
+Every failpoint of phalanx is listed, by layer, in :mod:`phalanx.lifecycle.catalogue`,
+so the whole catalogue is known once this module is imported. The module that carries
+a point declares it once, at its import, and hits it at its acquisition or release
+step::
 
-    _WINDOW_CREATED = Failpoint("domain.alloc.window_created", "window segment exists")
+    _WINDOW_MAPPED = Failpoint("domain.alloc.window_mapped")
     ...
-    _WINDOW_CREATED.hit()
+    _WINDOW_MAPPED.hit()
+
+A name missing from the catalogue is refused at declaration (a typo fails at import),
+except under ``test.``: tests declare their own points there.
 
 Tests and operators arm failpoints by name in any process of a job: in this process
 with :func:`arm`, in rank processes through ``Worker.arm_failpoint`` or at start-up
@@ -26,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from ._errors import FailpointError, PhalanxError
+from .catalogue import POINTS
 
 __all__ = [
     "Action",
@@ -34,13 +40,18 @@ __all__ = [
     "arm",
     "armed",
     "catalogue",
+    "check",
+    "declared",
     "disarm",
     "disarm_all",
+    "fired",
     "parse_spec",
     "set_process_rank",
 ]
 
 ENV_VAR = "PHALANX_FAILPOINTS"
+#: Names under this prefix are a test's own points, declared without a catalogue row.
+TEST_PREFIX = "test."
 
 
 class FailpointSpecError(PhalanxError, ValueError):
@@ -74,8 +85,10 @@ class Arming:
         return s
 
 
-# Declared failpoints: name -> description. Filled at import of the modules carrying them.
-_CATALOGUE: dict[str, str] = {}
+# Every point of phalanx (name -> description), known before any carrying module loads.
+_CATALOGUE: dict[str, str] = {n: d for points in POINTS.values() for n, d in points.items()}
+# Points declared by a Failpoint object in this process (catalogued and test points).
+_DECLARED: dict[str, str] = {}
 # Armed failpoints of this process. Empty dict => every hit() is a single falsy test.
 _ARMED: dict[str, Arming] = {}
 _HITS: dict[str, int] = {}
@@ -89,12 +102,20 @@ class Failpoint:
 
     __slots__ = ("description", "name")
 
-    def __init__(self, name: str, description: str) -> None:
-        if name in _CATALOGUE:
+    def __init__(self, name: str, description: str | None = None) -> None:
+        # The catalogue's row is the one description; a site's own text (if any) is
+        # documentation for the reader there, for test points the only one.
+        catalogued = _CATALOGUE.get(name)
+        if catalogued is None and not name.startswith(TEST_PREFIX):
+            raise FailpointSpecError(
+                f"failpoint {name!r} is not in the catalogue: add a row for it to "
+                f"phalanx/lifecycle/catalogue.py (and a scenario to "
+                f"tests/test_failpoint_sweep.py), or fix the name's spelling")
+        if name in _DECLARED:
             raise FailpointSpecError(f"failpoint {name!r} declared twice")
-        _CATALOGUE[name] = description
         self.name = name
-        self.description = description
+        self.description = catalogued or description or ""
+        _DECLARED[name] = self.description
 
     def hit(self) -> None:
         if _ARMED:
@@ -141,11 +162,31 @@ def set_process_rank(rank: int | None) -> None:
 
 
 def catalogue() -> dict[str, str]:
-    """Every declared failpoint (name -> description) of the modules imported so far.
+    """Every failpoint of phalanx (name -> description), whatever has been imported.
 
-    Import :mod:`phalanx` (which imports every layer) for the complete catalogue.
+    Test points (``test.*``) are not part of it; :func:`declared` lists them too.
     """
     return dict(sorted(_CATALOGUE.items()))
+
+
+def declared() -> dict[str, str]:
+    """The points a module of this process has declared so far (test points included)."""
+    with _LOCK:
+        return dict(sorted(_DECLARED.items()))
+
+
+def _known(name: str) -> bool:
+    return name in _CATALOGUE or name in _DECLARED
+
+
+def check(points: dict[str, str]) -> None:
+    """Refuse unknown names and bad specs in ``name -> spec`` before they reach a rank."""
+    for name, spec in points.items():
+        if not _known(name):
+            raise FailpointSpecError(
+                f"unknown failpoint {name!r}; phalanx.lifecycle.failpoints.catalogue() "
+                f"lists them")
+        parse_spec(spec or "raise")
 
 
 def parse_spec(spec: str) -> Arming:
@@ -174,7 +215,7 @@ def parse_spec(spec: str) -> Arming:
 
 def arm(name: str, spec: str | Arming = "raise") -> None:
     """Arm ``name`` in this process. Unknown names are refused (typos would test nothing)."""
-    if name not in _CATALOGUE:
+    if not _known(name):
         raise FailpointSpecError(
             f"unknown failpoint {name!r}; phalanx.lifecycle.failpoints.catalogue() lists them"
         )
