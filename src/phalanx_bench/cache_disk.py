@@ -6,9 +6,11 @@ task and one load task for its batch; and ``store`` and ``load`` row after row,
 ``store_each_gbps`` and ``load_each_gbps``), a plain-Python baseline writing the same
 bytes as one file per row (open, write, rename; same fsync policy) and reading them
 back (open, readinto), and LMCache's ``fs_native`` disk path (its best; four C++ I/O
-workers) through a driver run by the LMCache venv's python, one process per rep. Reps
-alternate the three sides, so the drift of a shared VM hits all of them alike, and
-rotate which side goes first (the first runs while the kernel still discards the
+workers) through its anchor (``anchors/lmcache.py``) run by the LMCache venv's python,
+one process per rep; and, where the kernel offers io_uring and the store's default
+read path does not use it, ``load_many`` with ``io_uring=True`` (``load_uring_gbps``;
+its own store, written the same way). Reps alternate the sides, so the drift of a
+shared VM hits all of them alike, and rotate which side goes first (the first runs while the kernel still discards the
 blocks of the files the last rep deleted).
 Loads on every side read into a destination pool allocated and touched once per row
 size and reused by every rep (what an engine's KV pool is; LMCache's driver does the
@@ -37,10 +39,7 @@ from typing import Any
 import click
 import numpy as np
 
-from phalanx.kvstore import DiskStore, Geometry
-from phalanx.kvstore.buffers import aligned_empty
-from phalanx.kvstore.keys import KeyChain
-from phalanx.kvstore.snapshot import SEAL_NAME, SNAPSHOT_NAME
+from phalanx.kvstore import SEAL_NAME, SNAPSHOT_NAME, DiskStore, Geometry, KeyChain, aligned_empty
 
 from ._stats import emit, median
 
@@ -50,7 +49,7 @@ __all__ = ["command"]
 BENCH_GEOMETRY = Geometry(layers=4, kv_heads=2, head_dim=64, dtype="bfloat16", page_tokens=64)
 # 512-byte pages: 100,000 records stay small on disk
 RECOVERY_GEOMETRY = Geometry(layers=1, kv_heads=1, head_dim=8, dtype="float16", page_tokens=16)
-DRIVER = Path(__file__).with_name("_lmcache_driver.py")
+DRIVER = Path(__file__).with_name("anchors") / "lmcache.py"  # a script: see its docstring
 
 
 def _timed(fn: Callable[[], object], writes: int = 0) -> float:
@@ -143,6 +142,30 @@ def _phalanx_case(root: Path, rows: list[memoryview], fsync: bool,
 
         t_store_each = _timed(put_each, total)
     return t_store, t_store_each, t_load, t_each
+
+
+def _uring_case(root: Path, rows: list[memoryview], dst: list[memoryview]) -> float | None:
+    """Seconds of ``load_many`` of the batch with io_uring reads asked for (after a
+    ``store_many``, as the default side), or None where the kernel offers none.
+
+    Its own side, with its own directory: the default side's loads are the first after
+    its store (descriptors held, records unverified); a reopened store would start
+    with neither, and the two figures would not compare."""
+    g = BENCH_GEOMETRY
+    pages = rows[0].nbytes // g.page_bytes
+    toks = [np.arange(i * pages * 64, (i + 1) * pages * 64) for i in range(len(rows))]
+    total = sum(r.nbytes for r in rows)
+    with DiskStore(root, g, "bench", capacity_bytes=total + (1 << 30), progress=False,
+                   io_uring=True) as store:
+        if not store.io_uring:
+            return None
+        chains = [store.chain(t) for t in toks]
+        _timed(lambda: store.store_many(list(zip(chains, rows, strict=True))), total)
+        _clear(dst)
+        t_load = _timed(lambda: store.load_many(
+            [(c, pages, d) for c, d in zip(chains, dst, strict=True)]))
+        _check(rows, dst, "phalanx (io_uring)")
+    return t_load
 
 
 def _clear(dst: list[memoryview]) -> None:
@@ -238,8 +261,22 @@ def _recovery(work: Path, n: int, reps: int) -> dict[str, float]:
             "close_with_snapshot_seconds": t_close}
 
 
+def _read_paths(work: Path) -> tuple[bool, bool]:
+    """(the default store reads through io_uring, a store asking for it gets it)."""
+    probe = work / "probe"
+    with DiskStore(probe, BENCH_GEOMETRY, "bench", capacity_bytes=1 << 30,
+                   progress=False) as store:
+        default = store.io_uring
+    shutil.rmtree(probe)
+    with DiskStore(probe, BENCH_GEOMETRY, "bench", capacity_bytes=1 << 30, progress=False,
+                   io_uring=True) as store:
+        offered = store.io_uring
+    shutil.rmtree(probe)
+    return default, offered
+
+
 def _row_size(work: Path, b: int, n: int, reps: int, fsync_total_mib: int,
-              lmcache_python: str) -> dict[str, Any]:
+              lmcache_python: str, with_uring: bool) -> dict[str, Any]:
     """Every side's figures for ``n`` rows of ``b`` bytes: one row of the result."""
     # Rows and the load pool start on page boundaries, as a server's KV pool does
     # (torch's allocations are 64-byte aligned; LMCache reads into its own): a buffer
@@ -254,6 +291,7 @@ def _row_size(work: Path, b: int, n: int, reps: int, fsync_total_mib: int,
     ph: list[tuple[float, float, float, float]] = []
     base: list[tuple[float, float]] = []
     lmc: list[dict[str, float]] = []
+    uring: list[float] = []
     rep = work / f"rep{b}"
 
     def lmcache_side() -> None:
@@ -261,17 +299,25 @@ def _row_size(work: Path, b: int, n: int, reps: int, fsync_total_mib: int,
         if one is not None:
             lmc.append(one)
 
+    def uring_side() -> None:
+        one = _uring_case(rep / "uring", rows, dst)
+        if one is not None:
+            uring.append(one)
+
     sides: list[Callable[[], None]] = [
         lambda: ph.append(_phalanx_case(rep / "phalanx", rows, False, dst)),
         lambda: base.append(_baseline_case(rep / "plain", rows, False, dst)),
         lmcache_side,
     ]
+    if with_uring:
+        sides.append(uring_side)
     for r in range(reps):
-        # sides alternate so drift hits all three, and take turns going first: the
+        # sides alternate so drift hits all of them, and take turns going first: the
         # first runs just after the last rep's files were deleted, while the kernel
         # still discards their blocks
         rep.mkdir(mode=0o700)
-        for side in sides[r % 3 :] + sides[: r % 3]:
+        k = r % len(sides)
+        for side in sides[k:] + sides[:k]:
             side()
         shutil.rmtree(rep)
     total = n * b
@@ -281,6 +327,8 @@ def _row_size(work: Path, b: int, n: int, reps: int, fsync_total_mib: int,
         "store_each_gbps": total / median([p[1] for p in ph]) / 1e9,
         "load_gbps": total / median([p[2] for p in ph]) / 1e9,
         "load_each_gbps": total / median([p[3] for p in ph]) / 1e9,
+        # load_many with io_uring reads asked for (load_gbps: the default read path)
+        "load_uring_gbps": total / median(uring) / 1e9 if uring else None,
         "baseline_store_gbps": total / median([s for s, _ in base]) / 1e9,
         "baseline_load_gbps": total / median([ld for _, ld in base]) / 1e9,
         "lmcache_store_gbps": median([x["store_gbps"] for x in lmc]) if lmc else None,
@@ -308,8 +356,12 @@ def _row_size(work: Path, b: int, n: int, reps: int, fsync_total_mib: int,
 @click.option("--lmcache-python", default="/tmp/phx-anchors/lmcache/bin/python",
               show_default=True, help="python of a venv with LMCache (skipped if absent).")
 @click.option("--dir", "work_dir", default=None, help="Scratch directory (default: /tmp).")
+@click.option("--io-uring/--no-io-uring", "with_uring", default=True, show_default=True,
+              help="Also time load_many with io_uring reads asked for (a fourth side), "
+              "where the kernel offers them and the default read path does not use them.")
 def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib: int,
-            recovery_records: int, lmcache_python: str, work_dir: str | None) -> None:
+            recovery_records: int, lmcache_python: str, work_dir: str | None,
+            with_uring: bool) -> None:
     """Store/load GB/s vs one-file-per-row and LMCache fs_native; recovery vs scandir."""
     work = Path(tempfile.mkdtemp(prefix="phx-bench-cache-", dir=work_dir))
     try:
@@ -319,13 +371,19 @@ def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib
             click.echo(f"lmcache: skipped, no LMCache venv at {lmcache_python} (run "
                        "/work/shared/anchors/lmcache/setup.sh or pass --lmcache-python)",
                        err=True)
+        default_uring, uring_ok = _read_paths(work)
+        uring = uring_ok and not default_uring and with_uring
+        if default_uring:  # the default side already reads through io_uring
+            click.echo("io_uring: on by default here; no separate io_uring side", err=True)
         out_rows = []
         for b, n in cases:
-            row = _row_size(work, b, n, reps, fsync_total_mib, lmcache_python)
+            row = _row_size(work, b, n, reps, fsync_total_mib, lmcache_python, uring)
             out_rows.append(row)
             if not as_json:
                 print(json.dumps(row), file=sys.stderr)
-        result = {"rows": out_rows, "recovery": _recovery(work, recovery_records, reps)}
+        result = {"rows": out_rows, "recovery": _recovery(work, recovery_records, reps),
+                  "default_read_path": "io_uring" if default_uring else "threads",
+                  "io_uring_available": uring_ok}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     emit(result, as_json)

@@ -1,12 +1,20 @@
-"""LMCache's ``fs_native`` disk path over given row sizes; run by the cache-disk
-benchmark with the LMCache venv's python (never imported by phalanx itself).
+"""The LMCache anchor: its ``fs_native`` disk path over given row sizes, run by the
+cache-disk benchmark as a script with the LMCache venv's python (LMCache and its torch
+live there, not in phalanx's venv; nothing imports this module).
 
-    python _lmcache_driver.py --dir DIR --cases 262144x1024,4194304x64 --reps 3
+    python lmcache.py --dir DIR --cases 262144x1024,4194304x64 --reps 3
 
 Prints one JSON line: {"rows": [{"row_bytes", "store_gbps", "load_gbps"}, ...]}.
 Same rules as phalanx's side: buffered I/O, page cache not dropped, os.sync() untimed
 before each timed phase (and, before the store, as much memory as it writes touched and
 freed), buffers touched before timing, loads checked bit-exact.
+
+Why internals: LMCache's public entry point is a vLLM KV connector that needs a running
+vLLM engine and a model. Its disk tier alone is reached only through its distributed
+L2 adapter layer: the private factory ``fs_native_l2_adapter._create_fs_native_l2_adapter``,
+``TensorMemoryAllocator`` memory objects, ``ObjectKey`` and the adapter's task/event-fd
+calls, as LMCache's own storage manager drives them. A release that moves these breaks
+this file only.
 """
 
 from __future__ import annotations
@@ -24,13 +32,18 @@ from typing import Any
 import torch
 
 
+class LMCacheAnchorError(Exception):
+    """LMCache failed or did not finish a task. Not a PhalanxError: this script runs in
+    the LMCache venv, where phalanx is not installed."""
+
+
 def _wait(fd: int, done: Callable[[], bool], deadline_s: float = 600.0) -> None:
     from lmcache.v1.platform.event_notifier import consume_fd  # type: ignore[import-not-found]
 
     end = time.monotonic() + deadline_s
     while not done():
         if time.monotonic() > end:
-            raise TimeoutError(f"LMCache did not complete within {deadline_s}s")
+            raise LMCacheAnchorError(f"LMCache did not complete within {deadline_s}s")
         r, _, _ = select.select([fd], [], [], 0.05)
         if r:
             consume_fd(fd)
@@ -74,7 +87,7 @@ def run_case(root: str, row_bytes: int, n: int, workers: int) -> tuple[float, fl
           lambda: tid in res or bool(res.update(ad.pop_completed_store_tasks())) or tid in res)
     t_store = time.perf_counter() - t0
     if not res[tid].is_successful():
-        raise RuntimeError(f"LMCache store failed: {res[tid]}")
+        raise LMCacheAnchorError(f"LMCache store of {n} rows of {row_bytes} B failed: {res[tid]}")
     os.sync()
     box: list[Any] = []
 
@@ -91,7 +104,7 @@ def run_case(root: str, row_bytes: int, n: int, workers: int) -> tuple[float, fl
     t_load = time.perf_counter() - t0
     for s, d in zip(src, dst, strict=True):
         if not torch.equal(s.tensor.view(torch.int16), d.tensor.view(torch.int16)):
-            raise RuntimeError("LMCache load returned different bytes")
+            raise LMCacheAnchorError(f"LMCache load of {row_bytes} B rows returned different bytes")
         s.ref_count_down()
         d.ref_count_down()
     ad.close()
