@@ -1,1 +1,3 @@
 """The engine layer (see DESIGN.md, Layers)."""
+
+__all__: list[str] = []
