@@ -1,0 +1,124 @@
+"""Paged attention in plain torch.
+
+This rank's KV pool for one layer is ``kv[num_pages, 2, page_tokens, kv_heads, head_dim]``
+(2 = K, V): one page of one layer is contiguous, which is what the disk tier stores.
+Position ``p`` of a sequence lives in page ``block_table[p // page_tokens]`` at slot
+``p % page_tokens``.
+
+Per layer: the step's new K/V are scattered into their slots (one indexed write for
+every chunk), then each chunk attends over positions ``[0, start_pos + q_len)`` gathered
+from its pages. Decode chunks (one query token each) are batched into one SDPA call over
+their pages padded to the longest context, masked per row; prefill chunks run one SDPA
+each (causal, offset by ``start_pos``). :class:`AttnMeta` is built once per step and
+shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual name
+
+from ._errors import EngineError
+
+__all__ = ["AttnMeta", "ChunkMeta", "build_meta", "paged_attention"]
+
+
+@dataclass
+class ChunkMeta:
+    """One sequence's share of the step: queries ``[q_start, q_start + q_len)`` of the
+    flattened tokens, at positions ``start_pos..``."""
+
+    q_start: int
+    q_len: int
+    start_pos: int
+    block_table: torch.Tensor          # LongTensor of page ids covering [0, start_pos + q_len)
+    mask: torch.Tensor | None = None   # [q_len, ctx] bool (prefill with start_pos > 0)
+
+    @property
+    def context(self) -> int:
+        return self.start_pos + self.q_len
+
+
+@dataclass
+class AttnMeta:
+    """Everything a layer needs to write and read the pages at this step."""
+
+    page_tokens: int
+    chunks: list[ChunkMeta]
+    write_pages: torch.Tensor    # [T] page of each new token
+    write_slots: torch.Tensor    # [T] slot in that page
+    prefill: list[ChunkMeta] = field(default_factory=list)
+    decode_rows: list[int] = field(default_factory=list)     # q index of each decode chunk
+    decode_pages: torch.Tensor | None = None   # [B, max_pages] (padded with page 0)
+    decode_mask: torch.Tensor | None = None    # [B, 1, 1, max_pages * page_tokens] bool
+
+
+def build_meta(chunks: list[tuple[int, int, list[int]]], page_tokens: int) -> AttnMeta:
+    """Meta for chunks given as ``(start_pos, q_len, block_table)`` in token order."""
+    metas: list[ChunkMeta] = []
+    pages: list[int] = []
+    slots: list[int] = []
+    q = 0
+    for start, n, table in chunks:
+        ctx = start + n
+        need = -(-ctx // page_tokens)
+        if len(table) < need:
+            raise EngineError(f"a chunk at positions [{start}, {ctx}) needs {need} pages; its "
+                              f"block table has {len(table)}")
+        for p in range(start, ctx):
+            pages.append(table[p // page_tokens])
+            slots.append(p % page_tokens)
+        m = ChunkMeta(q, n, start, torch.tensor(table[:need], dtype=torch.long))
+        if n > 1 and start > 0:
+            qpos = torch.arange(start, ctx).unsqueeze(1)
+            m.mask = torch.arange(ctx).unsqueeze(0) <= qpos
+        metas.append(m)
+        q += n
+    meta = AttnMeta(page_tokens, metas, torch.tensor(pages, dtype=torch.long),
+                    torch.tensor(slots, dtype=torch.long))
+    decode = [m for m in metas if m.q_len == 1]
+    meta.prefill = [m for m in metas if m.q_len > 1]
+    if decode:
+        width = max(len(m.block_table) for m in decode)
+        table = torch.zeros((len(decode), width), dtype=torch.long)
+        for i, m in enumerate(decode):
+            table[i, :len(m.block_table)] = m.block_table
+        meta.decode_pages = table
+        meta.decode_rows = [m.q_start for m in decode]
+        ctx = torch.tensor([m.context for m in decode]).view(-1, 1, 1, 1)
+        meta.decode_mask = torch.arange(width * page_tokens).view(1, 1, 1, -1) < ctx
+    return meta
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                    meta: AttnMeta, scale: float) -> torch.Tensor:
+    """Write ``k``/``v`` [T, kv_heads, d] into ``kv``'s pages, attend ``q`` [T, heads, d]
+    causally over each chunk's context; returns [T, heads, d]."""
+    kv[meta.write_pages, 0, meta.write_slots] = k
+    kv[meta.write_pages, 1, meta.write_slots] = v
+    out = torch.empty_like(q)
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = kv.shape[3]
+    for m in meta.prefill:
+        ctx = m.context
+        pages = kv[m.block_table]                         # [n, 2, pt, kvh, d]
+        keys = pages[:, 0].reshape(-1, kv_heads, d)[:ctx].transpose(0, 1)
+        vals = pages[:, 1].reshape(-1, kv_heads, d)[:ctx].transpose(0, 1)
+        qc = q[m.q_start:m.q_start + m.q_len].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qc.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=m.mask,
+            is_causal=m.mask is None, scale=scale, enable_gqa=heads != kv_heads)
+        out[m.q_start:m.q_start + m.q_len] = o[0].transpose(0, 1)
+    if meta.decode_pages is not None:
+        b, width = meta.decode_pages.shape
+        pages = kv[meta.decode_pages]                     # [B, w, 2, pt, kvh, d]
+        keys = pages[:, :, 0].reshape(b, -1, kv_heads, d).transpose(1, 2)
+        vals = pages[:, :, 1].reshape(b, -1, kv_heads, d).transpose(1, 2)
+        rows = torch.tensor(meta.decode_rows) if b > 1 else meta.decode_rows[0]
+        qd = q[rows].view(b, heads, 1, d)
+        o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=meta.decode_mask,
+                                           scale=scale, enable_gqa=heads != kv_heads)
+        out[rows] = o.view(b, heads, d) if b > 1 else o.view(heads, d)
+    return out

@@ -1,0 +1,215 @@
+"""The tensor-parallel communicator: one interface, three implementations.
+
+``SoloComm`` (one rank), ``DomainComm`` (same host: phalanx's shared-memory domain) and
+``TorchDistComm`` (torch.distributed: gloo on CPU, NCCL on CUDA; the path that crosses
+hosts). Every rank calls the same collectives in the same order (the step plan decides
+them), so none of them carries a tag.
+
+``DomainComm`` stages data in the members' windows, double-buffered: round ``r`` writes
+half ``r % 2`` of this rank's window, passes one barrier and reads the peers' same half.
+One barrier per round is enough: before a rank overwrites a half at round ``r + 2`` it
+passed the barrier of round ``r + 1``, which every peer reaches only after it finished
+reading round ``r``. Sums are taken in domain-rank order on every rank, so every rank
+holds bit-identical results (the ranks' hidden states never drift apart).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from ._errors import EngineError
+
+if TYPE_CHECKING:
+    from phalanx.comm import DomainView
+
+__all__ = ["DomainComm", "SoloComm", "TPComm", "TorchDistComm", "intra_op_threads"]
+
+_ALIGN = 64
+_LEN = struct.Struct("<Q")
+
+
+class TPComm(Protocol):
+    """Collectives among the TP ranks. ``all_gather`` concatenates on dim 0."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes: ...
+
+
+def intra_op_threads(tp: int) -> int:
+    """Set torch's intra-op threads so ``tp`` ranks on this host do not oversubscribe
+    its cores (each gets ``cores // tp``); returns the count."""
+    cores = len(os.sched_getaffinity(0))
+    n = max(1, cores // max(1, tp))
+    torch.set_num_threads(n)
+    return n
+
+
+class SoloComm:
+    """TP size 1: every collective is the identity."""
+
+    rank = 0
+    size = 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        if data is None:
+            raise EngineError("SoloComm.broadcast_bytes: the root (rank 0) must pass data")
+        return data
+
+
+class DomainComm:
+    """TP over a phalanx shared-memory domain (its members are the TP ranks, in order).
+
+    The domain's window is the staging area: give it at least ``2 * 64 KiB``; larger
+    windows move a prefill's activations in fewer rounds.
+    """
+
+    def __init__(self, view: DomainView) -> None:
+        self.view = view
+        self.rank = view.domain_rank
+        self.size = view.domain_size
+        window = len(view.window)
+        self.half = (window // 2) // _ALIGN * _ALIGN
+        if self.half < 4096:
+            raise EngineError(f"domain {view.name!r}: a TP domain needs a window of at least "
+                              f"8 KiB for staging (it has {window} bytes)")
+        # [domain rank][half] -> uint8 tensor over that member's window, mapped once
+        self._bufs = [[self._peer_tensor(r)[h * self.half:(h + 1) * self.half]
+                       for h in (0, 1)] for r in range(self.size)]
+        self._round = 0
+
+    def _peer_tensor(self, r: int) -> torch.Tensor:
+        mem = self.view.window if r == self.rank else self.view.peer_window(r)
+        return torch.frombuffer(mem, dtype=torch.uint8)
+
+    def _next(self) -> int:
+        h = self._round % 2
+        self._round += 1
+        return h
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place (``t`` must be contiguous)."""
+        if self.size == 1:
+            return t
+        flat = t.view(-1)
+        per = self.half // t.element_size()
+        for start in range(0, flat.numel(), per):
+            n = min(per, flat.numel() - start)
+            nbytes = n * t.element_size()
+            h = self._next()
+            own = self._bufs[self.rank][h][:nbytes].view(t.dtype)
+            own.copy_(flat[start:start + n])
+            self.view.barrier()
+            out = flat[start:start + n]
+            torch.add(self._bufs[0][h][:nbytes].view(t.dtype),
+                      self._bufs[1][h][:nbytes].view(t.dtype), out=out)
+            for r in range(2, self.size):
+                out.add_(self._bufs[r][h][:nbytes].view(t.dtype))
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` concatenated on dim 0, in domain-rank order."""
+        if self.size == 1:
+            return t
+        src = t.contiguous().view(-1).view(torch.uint8)
+        out = torch.empty((self.size, src.numel()), dtype=torch.uint8)
+        for start in range(0, src.numel(), self.half):
+            n = min(self.half, src.numel() - start)
+            h = self._next()
+            self._bufs[self.rank][h][:n].copy_(src[start:start + n])
+            self.view.barrier()
+            for r in range(self.size):
+                out[r, start:start + n].copy_(self._bufs[r][h][:n])
+        return out.view(t.dtype).view(self.size * t.shape[0], *t.shape[1:])
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        """``data`` of rank ``root`` on every rank (length first, then chunks)."""
+        if self.rank == root and data is None:
+            raise EngineError(f"domain {self.view.name!r}: broadcast_bytes root (rank {root}) "
+                              f"passed no data")
+        payload = memoryview(data if self.rank == root and data is not None else b"")
+        total = len(payload)
+        got = bytearray()
+        offset = 0
+        first = True
+        while first or offset < total:
+            h = self._next()
+            room = self.half - (_LEN.size if first else 0)
+            if self.rank == root:
+                buf = self._bufs[root][h].numpy()
+                at = 0
+                if first:
+                    buf[:_LEN.size] = memoryview(_LEN.pack(total)).cast("B")
+                    at = _LEN.size
+                n = min(room, total - offset)
+                buf[at:at + n] = payload[offset:offset + n]
+            self.view.barrier()
+            buf = self._bufs[root][h].numpy()
+            at = 0
+            if first:
+                (total,) = _LEN.unpack(bytes(buf[:_LEN.size]))
+                at = _LEN.size
+            n = min(room, total - offset)
+            if self.rank != root:
+                got += bytes(buf[at:at + n])
+            offset += n
+            first = False
+        return bytes(payload) if self.rank == root else bytes(got)
+
+
+class TorchDistComm:
+    """TP over a torch.distributed process group (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, group: Any, device: str = "cpu") -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.device = torch.device(device)
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            self._dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return t
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self._dist.all_gather(parts, t, group=self.group)
+        return torch.cat(parts, dim=0)
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        if self.rank == root and data is None:
+            raise EngineError(f"torch.distributed broadcast_bytes: root (rank {root}) "
+                              f"passed no data")
+        src = self._dist.get_global_rank(self.group, root)
+        n = torch.tensor([len(data) if self.rank == root and data is not None else 0],
+                         dtype=torch.int64, device=self.device)
+        self._dist.broadcast(n, src=src, group=self.group)
+        if self.rank == root and data is not None:
+            buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+                   if data else torch.empty(0, dtype=torch.uint8, device=self.device))
+        else:
+            buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        if buf.numel():
+            self._dist.broadcast(buf, src=src, group=self.group)
+        return data if self.rank == root and data is not None else bytes(buf.cpu().numpy())
