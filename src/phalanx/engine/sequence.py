@@ -53,6 +53,7 @@ class Sequence:
         "key_chain",
         "num_computed",
         "num_preemptions",
+        "num_registered",
         "output_tokens",
         "params",
         "prompt_tokens",
@@ -72,6 +73,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0
         self.key_chain: list[bytes] = []   # keys of this sequence's full pages, in order
+        self.num_registered = 0            # leading pages whose key the pool holds
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.cached_memory = 0

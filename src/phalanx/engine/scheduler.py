@@ -1,0 +1,424 @@
+"""Continuous batching: waiting and running sequences in, one frozen StepPlan out.
+
+Pure logic (no torch, no processes). One step:
+
+1. Cancelled sequences leave and free their pages (the step after ``abort``).
+2. Running sequences, oldest first, each get their next tokens from one token budget
+   (``max_num_batched_tokens``): one decode token, or a prefill chunk. A prefill chunk
+   leaves one token of budget for every decode behind it in the list, so a long prompt
+   never stalls the running decodes. If a sequence needs a page and none is free, the
+   newest running sequence is preempted (its pages freed, its tokens recomputed when it
+   runs again; if it is the one asking, it stops there) — never failing the others.
+3. If nobody was preempted, waiting sequences are admitted first come first served
+   while the budget, ``max_num_seqs`` and the pages allow; the head of the queue
+   waits if it does not fit (no overtaking, so nobody starves). An admission takes the
+   longest prefix of full pages held in memory (shared, ref counted), then asks the disk
+   tier how many further pages it can load (``PageLoad`` into fresh pages), and
+   computes the rest in chunks.
+
+After the forward, :meth:`Scheduler.update` advances the computed counts, gives pages
+that became full their keys (only then are they hits for others), unpins the disk
+tier's pages, and appends the sampled tokens. Finishing (EOS, stops, max_tokens) is
+the engine loop's decision: it calls :meth:`Scheduler.finish`.
+
+Invariants (checked at the end of every schedule and update when ``check_invariants``):
+ref counts equal block-table holdings, the free list is the unreferenced pages, waiting
+sequences hold no pages, each running block table covers exactly its computed tokens
+plus what is scheduled, the budget and ``max_num_seqs`` hold.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..kvstore.keys import ROOT_KEY, page_keys
+from ._errors import RequestError, SchedulerError
+from .kv_pages import PagePool
+from .plan import PageLoad, PageSave, SeqChunk, StepPlan, StepResult, TokenLogprobs
+from .sequence import FinishReason, SeqStatus, Sequence
+
+__all__ = ["InMemoryTier", "PrefixTier", "Sampled", "Scheduler", "SchedulerConfig"]
+
+
+class PrefixTier(Protocol):
+    """The disk tier as rank 0's scheduler sees it (the replicated persistent cache).
+
+    ``lookup`` answers how many leading pages of ``keys`` every rank can load now and
+    pins them (a lease) until ``unpin``; ``wants`` says, per newly filled page, whether
+    to store it (admission, room and thinning are the tier's decision).
+    """
+
+    def lookup(self, keys: Seq[bytes]) -> int: ...
+
+    def unpin(self, keys: Seq[bytes]) -> None: ...
+
+    def wants(self, keys: Seq[bytes]) -> list[bool]: ...
+
+
+class InMemoryTier:
+    """A PrefixTier over a set of keys (tests, and a model of the disk tier's contract)."""
+
+    def __init__(self, keys: Seq[bytes] = (), accept: bool = True) -> None:
+        self.keys: set[bytes] = set(keys)
+        self.pins: dict[bytes, int] = {}
+        self.accept = accept
+        self.asked: list[bytes] = []
+
+    def lookup(self, keys: Seq[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.keys:
+                break
+            n += 1
+        for k in keys[:n]:
+            self.pins[k] = self.pins.get(k, 0) + 1
+        return n
+
+    def unpin(self, keys: Seq[bytes]) -> None:
+        for k in keys:
+            left = self.pins[k] - 1
+            if left:
+                self.pins[k] = left
+            else:
+                del self.pins[k]
+
+    def wants(self, keys: Seq[bytes]) -> list[bool]:
+        self.asked.extend(keys)
+        return [self.accept and k not in self.keys for k in keys]
+
+    def stored(self, keys: Seq[bytes]) -> None:
+        """The background store of ``keys`` finished (the engine or a test says so)."""
+        self.keys.update(keys)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_pages: int
+    page_tokens: int = 64
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    check_invariants: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise SchedulerError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                f"max_num_seqs={self.max_num_seqs}: the running decodes could not all step"
+            )
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A token sampled for ``seq`` at the last step."""
+
+    seq: Sequence
+    token: int
+    logprobs: TokenLogprobs | None
+
+
+@dataclass
+class _Scheduled:
+    seq: Sequence
+    n: int
+    sample: bool
+    loaded: list[bytes]
+
+
+def _pages_for(tokens: int, pt: int) -> int:
+    return -(-tokens // pt)
+
+
+class Scheduler:
+    """Turns waiting and running sequences into one StepPlan per step; see module doc."""
+
+    def __init__(
+        self, config: SchedulerConfig, fingerprint: bytes, tier: PrefixTier | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = PagePool(config.num_pages, config.page_tokens)
+        self.fingerprint = fingerprint
+        self.tier = tier
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[int, Sequence] = {}
+        self._inflight: list[_Scheduled] | None = None
+        self._step = 0
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; refuse one that could never fit the context or the pool."""
+        c = self.config
+        if seq.seq_id in self._by_id:
+            raise RequestError(f"request {seq.seq_id} is already scheduled")
+        if not seq.prompt_tokens:
+            raise RequestError(f"request {seq.seq_id}: the prompt is empty")
+        if seq.num_prompt >= c.max_model_len:
+            raise RequestError(
+                f"request {seq.seq_id}: prompt of {seq.num_prompt} tokens leaves no room "
+                f"to generate within max_model_len={c.max_model_len}"
+            )
+        longest = c.max_model_len
+        if seq.params.max_tokens is not None:
+            longest = min(longest, seq.num_prompt + seq.params.max_tokens)
+        if _pages_for(longest, c.page_tokens) > c.num_pages:
+            raise RequestError(
+                f"request {seq.seq_id}: up to {longest} tokens need "
+                f"{_pages_for(longest, c.page_tokens)} KV pages, the pool has {c.num_pages}"
+            )
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+        self._by_id[seq.seq_id] = seq
+
+    def abort(self, seq_id: int) -> bool:
+        """Cancel a request: it leaves and frees its pages at the next step."""
+        seq = self._by_id.get(seq_id)
+        if seq is None:
+            return False
+        seq.cancelled = True
+        return True
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End ``seq``: release its pages (full ones stay cached) and forget it."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self._by_id.pop(seq.seq_id, None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._by_id.get(seq_id)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> tuple[StepPlan | None, list[Sequence]]:
+        """The next step's plan (None when there is nothing to run) and the cancelled."""
+        if self._inflight is not None:
+            raise SchedulerError(f"step {self._step} is still in flight: update() first")
+        c = self.config
+        pt = c.page_tokens
+        aborted = [s for s in (*self.running, *self.waiting) if s.cancelled]
+        for s in aborted:
+            self.finish(s, FinishReason.ABORT)
+        budget = c.max_num_batched_tokens
+        scheduled: list[_Scheduled] = []
+        chunks: list[SeqChunk] = []
+        loads: list[PageLoad] = []
+        saves: list[PageSave] = []
+        preempted = False
+
+        decodes_behind = sum(1 for s in self.running if len(s) - s.num_computed == 1)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            remaining = len(seq) - seq.num_computed
+            if remaining == 1:
+                decodes_behind -= 1
+                n = 1
+            else:
+                n = min(remaining, budget - decodes_behind)
+                if n <= 0:
+                    i += 1
+                    continue
+            need = _pages_for(seq.num_computed + n, pt) - len(seq.block_table)
+            while need > self.pool.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break
+            seq.block_table += self.pool.allocate(need)
+            self._emit(seq, n, [], scheduled, chunks, saves)
+            budget -= n
+            i += 1
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < c.max_num_seqs):
+            seq = self.waiting[0]
+            if not self._admit(seq, budget, scheduled, chunks, loads, saves):
+                break
+            budget -= scheduled[-1].n
+
+        if not chunks:
+            return None, aborted
+        self._step += 1
+        self._inflight = scheduled
+        plan = StepPlan(step=self._step, chunks=chunks, loads=loads, saves=saves)
+        if c.check_invariants:
+            self._check(scheduled)
+        return plan, aborted
+
+    def _admit(
+        self, seq: Sequence, budget: int, scheduled: list[_Scheduled],
+        chunks: list[SeqChunk], loads: list[PageLoad], saves: list[PageSave],
+    ) -> bool:
+        pt = self.config.page_tokens
+        total = len(seq)
+        limit = (total - 1) // pt        # at least one token is computed, to sample from
+        keys = self._keys(seq, limit)[:limit]
+        hits = self.pool.match(keys)
+        m = len(hits)
+        d = 0
+        if self.tier is not None and m < limit:
+            d = self.tier.lookup(keys[m:limit])
+        computed = (m + d) * pt
+        n = min(total - computed, budget)
+        need = _pages_for(computed + n, pt) - m
+        if not self.pool.can_allocate(need, hits):
+            if d and self.tier is not None:
+                self.tier.unpin(keys[m : m + d])
+            return False
+        self.waiting.popleft()
+        self.pool.acquire(hits)
+        fresh = self.pool.allocate(need)
+        seq.block_table = hits + fresh
+        seq.num_computed = computed
+        seq.num_registered = m
+        loaded = keys[m : m + d]
+        if d:
+            loads.append(PageLoad(keys=list(loaded), page_ids=fresh[:d]))
+        counters = self.pool.counters
+        if seq.take_first_admit():
+            seq.cached_memory = m * pt
+            seq.cached_disk = d * pt
+            counters.prompt_memory += min(m * pt, seq.num_prompt)
+            counters.prompt_disk += min(computed, seq.num_prompt) - min(m * pt, seq.num_prompt)
+            counters.prompt_computed += max(0, seq.num_prompt - computed)
+        else:
+            counters.recomputed += total - computed
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self._emit(seq, n, list(loaded), scheduled, chunks, saves)
+        return True
+
+    def _emit(
+        self, seq: Sequence, n: int, loaded: list[bytes], scheduled: list[_Scheduled],
+        chunks: list[SeqChunk], saves: list[PageSave],
+    ) -> None:
+        pt = self.config.page_tokens
+        start = seq.num_computed
+        end = start + n
+        sample = end == len(seq)
+        chunks.append(SeqChunk(
+            seq_id=seq.seq_id,
+            tokens=seq.tokens_range(start, end),
+            start_pos=start,
+            block_table=list(seq.block_table),
+            sample=sample,
+            sampling=seq.params.spec(seq.num_output),
+        ))
+        scheduled.append(_Scheduled(seq, n, sample, loaded))
+        if self.tier is None:
+            return
+        # pages this step fills with prompt tokens it computes: store them in the background
+        first, last = start // pt, min(end, seq.num_prompt) // pt
+        if last > first:
+            keys = self._keys(seq, last)[first:last]
+            wanted = self.tier.wants(keys)
+            pick = [j for j, w in enumerate(wanted) if w]
+            if pick:
+                saves.append(PageSave(
+                    keys=[keys[j] for j in pick],
+                    page_ids=[seq.block_table[first + j] for j in pick],
+                ))
+
+    def _keys(self, seq: Sequence, n_pages: int) -> list[bytes]:
+        """The first ``n_pages`` keys of ``seq``'s chain, extending it as needed."""
+        chain = seq.key_chain
+        have = len(chain)
+        if n_pages > have:
+            pt = self.config.page_tokens
+            parent = chain[-1] if chain else ROOT_KEY
+            chain.extend(page_keys(
+                seq.tokens_range(have * pt, n_pages * pt), pt, self.fingerprint,
+                parent=parent,
+            ))
+        return chain[:n_pages]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_registered = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.pool.counters.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self, result: StepResult) -> list[Sampled]:
+        """Apply rank 0's result of the step in flight; returns the sampled tokens."""
+        scheduled = self._inflight
+        if scheduled is None or result.step != self._step:
+            raise SchedulerError(
+                f"result of step {result.step}, but step {self._step} is "
+                f"{'in flight' if scheduled is not None else 'not in flight'}"
+            )
+        pt = self.config.page_tokens
+        out: list[Sampled] = []
+        for s in scheduled:
+            seq = s.seq
+            seq.num_computed += s.n
+            full = seq.num_computed // pt
+            keys = self._keys(seq, full)
+            for j in range(seq.num_registered, full):
+                self.pool.register(seq.block_table[j], keys[j])
+            seq.num_registered = full
+            if s.loaded and self.tier is not None:
+                self.tier.unpin(s.loaded)
+            if s.sample:
+                tok = result.tokens.get(seq.seq_id)
+                if tok is None:
+                    raise SchedulerError(
+                        f"step {result.step}: rank 0 returned no token for sequence "
+                        f"{seq.seq_id}"
+                    )
+                seq.output_tokens.append(tok)
+                out.append(Sampled(seq, tok, result.logprobs.get(seq.seq_id)))
+        self._inflight = None
+        if self.config.check_invariants:
+            self._check([])
+        return out
+
+    def fail_inflight(self) -> list[Sequence]:
+        """Drop the step in flight (the ranks failed it); returns every live sequence."""
+        if self._inflight is not None and self.tier is not None:
+            for s in self._inflight:
+                if s.loaded:
+                    self.tier.unpin(s.loaded)
+        self._inflight = None
+        return [*self.running, *self.waiting]
+
+    def _check(self, scheduled: list[_Scheduled]) -> None:
+        c = self.config
+        self.pool.check(s.block_table for s in self.running)
+        if len(self.running) > c.max_num_seqs:
+            raise SchedulerError(f"{len(self.running)} running > max_num_seqs={c.max_num_seqs}")
+        if sum(s.n for s in scheduled) > c.max_num_batched_tokens:
+            raise SchedulerError("a step over its token budget")
+        for w in self.waiting:
+            if w.block_table or w.num_computed:
+                raise SchedulerError(f"waiting sequence {w.seq_id} holds pages or KV")
+        pending = {s.seq.seq_id: s.n for s in scheduled}
+        for r in self.running:
+            covered = r.num_computed + pending.get(r.seq_id, 0)
+            if len(r.block_table) != _pages_for(covered, c.page_tokens):
+                raise SchedulerError(
+                    f"sequence {r.seq_id}: {len(r.block_table)} pages for {covered} tokens"
+                )
