@@ -370,3 +370,18 @@ def test_results_must_match_the_step_in_flight() -> None:
         sched.schedule()
     with pytest.raises(SchedulerError, match="no token for sequence 1"):
         sched.update(StepResult(step=plan.step, tokens={}))
+
+
+def test_prefix_caching_off_computes_every_prompt() -> None:
+    cfg = SchedulerConfig(num_pages=16, page_tokens=4, enable_prefix_caching=False)
+    tier = InMemoryTier()
+    sched = Scheduler(cfg, FP, tier)
+    ranks = FakeRanks(sched)
+    prompt = list(range(9))
+    for i in range(2):
+        s = Sequence(prompt, greedy(2), seq_id=i)
+        sched.add(s)
+        drain(sched, ranks)
+        assert s.cached_tokens == 0 and s.output_tokens == reference(prompt, 2)
+    assert sched.pool.num_cached == 0 and tier.asked == []
+    assert all(p.loads == [] and p.saves == [] for p in ranks.plans)

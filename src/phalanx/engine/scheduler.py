@@ -101,6 +101,7 @@ class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
+    enable_prefix_caching: bool = True   # False: every prompt is computed (the oracle)
     check_invariants: bool = True
 
     def __post_init__(self) -> None:
@@ -271,11 +272,12 @@ class Scheduler:
         pt = self.config.page_tokens
         total = len(seq)
         limit = (total - 1) // pt        # at least one token is computed, to sample from
-        keys = self._keys(seq, limit)[:limit]
+        caching = self.config.enable_prefix_caching
+        keys = self._keys(seq, limit)[:limit] if caching else []
         hits = self.pool.match(keys)
         m = len(hits)
         d = 0
-        if self.tier is not None and m < limit:
+        if caching and self.tier is not None and m < limit:
             d = self.tier.lookup(keys[m:limit])
         computed = (m + d) * pt
         n = min(total - computed, budget)
@@ -324,7 +326,7 @@ class Scheduler:
             sampling=seq.params.spec(seq.num_output),
         ))
         scheduled.append(_Scheduled(seq, n, sample, loaded))
-        if self.tier is None:
+        if self.tier is None or not self.config.enable_prefix_caching:
             return
         # pages this step fills with prompt tokens it computes: store them in the background
         first, last = start // pt, min(end, seq.num_prompt) // pt
@@ -375,11 +377,13 @@ class Scheduler:
         for s in scheduled:
             seq = s.seq
             seq.num_computed += s.n
-            full = seq.num_computed // pt
-            keys = self._keys(seq, full)
-            for j in range(seq.num_registered, full):
-                self.pool.register(seq.block_table[j], keys[j])
-            seq.num_registered = full
+            if self.config.enable_prefix_caching:
+                # full pages become hits only now, after the step that wrote them ran
+                full = seq.num_computed // pt
+                keys = self._keys(seq, full)
+                for j in range(seq.num_registered, full):
+                    self.pool.register(seq.block_table[j], keys[j])
+                seq.num_registered = full
             if s.loaded and self.tier is not None:
                 self.tier.unpin(s.loaded)
             if s.sample:
