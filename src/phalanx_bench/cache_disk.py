@@ -10,8 +10,8 @@ workers) through its anchor (``anchors/lmcache.py``) run by the LMCache venv's p
 one process per rep; and, where the kernel offers io_uring and the store's default
 read path does not use it, ``load_many`` with ``io_uring=True`` (``load_uring_gbps``;
 its own store, written the same way). Reps alternate the sides, so the drift of a
-shared VM hits all of them alike, and rotate which side goes first (the first runs while the kernel still discards the
-blocks of the files the last rep deleted).
+shared VM hits all of them alike, and rotate which side goes first (the first runs
+while the kernel still discards the blocks of the files the last rep deleted).
 Loads on every side read into a destination pool allocated and touched once per row
 size and reused by every rep (what an engine's KV pool is; LMCache's driver does the
 same), so no side pays page faults on fresh memory; before each timed store every side
@@ -39,7 +39,15 @@ from typing import Any
 import click
 import numpy as np
 
-from phalanx.kvstore import SEAL_NAME, SNAPSHOT_NAME, DiskStore, Geometry, KeyChain, aligned_empty
+from phalanx.kvstore import (
+    SEAL_NAME,
+    SNAPSHOT_NAME,
+    DiskStore,
+    Geometry,
+    KeyChain,
+    StoreOptions,
+    aligned_empty,
+)
 
 from ._stats import emit, median
 
@@ -75,7 +83,7 @@ def _timed(fn: Callable[[], object], writes: int = 0) -> float:
 # one recovery step in a fresh interpreter: argv = directory, mode, expected records
 _RESTART = """
 import os, sys, time
-from phalanx.kvstore import DiskStore
+from phalanx.kvstore import DiskStore, StoreOptions
 from phalanx_bench.cache_disk import RECOVERY_GEOMETRY
 d, mode = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
@@ -85,7 +93,8 @@ if mode == "bare":
             os.stat(e.path)
     t = time.perf_counter() - t0
 else:
-    s = DiskStore(d, RECOVERY_GEOMETRY, "bench", capacity_bytes=1 << 40, progress=False)
+    s = DiskStore(d, RECOVERY_GEOMETRY, "bench",
+                  StoreOptions(capacity_bytes=1 << 40, progress=False))
     t = time.perf_counter() - t0
     s.close()  # untimed: rewrites the snapshot only when the index changed
     if s.statistics().recovered != int(sys.argv[3]):
@@ -107,8 +116,8 @@ def _phalanx_case(root: Path, rows: list[memoryview], fsync: bool,
     total = sum(r.nbytes for r in rows)
 
     def open_store(d: Path) -> DiskStore:
-        return DiskStore(d, g, "bench", capacity_bytes=2 * total + (1 << 30), fsync=fsync,
-                         progress=False)
+        return DiskStore(d, g, "bench", StoreOptions(
+            capacity_bytes=2 * total + (1 << 30), fsync=fsync, progress=False))
 
     store = open_store(root)
     try:
@@ -155,8 +164,8 @@ def _uring_case(root: Path, rows: list[memoryview], dst: list[memoryview]) -> fl
     pages = rows[0].nbytes // g.page_bytes
     toks = [np.arange(i * pages * 64, (i + 1) * pages * 64) for i in range(len(rows))]
     total = sum(r.nbytes for r in rows)
-    with DiskStore(root, g, "bench", capacity_bytes=total + (1 << 30), progress=False,
-                   io_uring=True) as store:
+    with DiskStore(root, g, "bench", StoreOptions(
+            capacity_bytes=total + (1 << 30), progress=False, io_uring=True)) as store:
         if not store.io_uring:
             return None
         chains = [store.chain(t) for t in toks]
@@ -228,7 +237,7 @@ def _recovery(work: Path, n: int, reps: int) -> dict[str, float]:
     d = work / "recovery"
     rng = np.random.default_rng(0)
     row = bytes(g.page_bytes)
-    s = DiskStore(d, g, "bench", capacity_bytes=1 << 40, progress=False)
+    s = DiskStore(d, g, "bench", StoreOptions(capacity_bytes=1 << 40, progress=False))
     try:
         chains: list[KeyChain] = []
         for i in range(n):  # a random tree: each record extends a random earlier one
@@ -264,12 +273,12 @@ def _recovery(work: Path, n: int, reps: int) -> dict[str, float]:
 def _read_paths(work: Path) -> tuple[bool, bool]:
     """(the default store reads through io_uring, a store asking for it gets it)."""
     probe = work / "probe"
-    with DiskStore(probe, BENCH_GEOMETRY, "bench", capacity_bytes=1 << 30,
-                   progress=False) as store:
+    with DiskStore(probe, BENCH_GEOMETRY, "bench",
+                   StoreOptions(capacity_bytes=1 << 30, progress=False)) as store:
         default = store.io_uring
     shutil.rmtree(probe)
-    with DiskStore(probe, BENCH_GEOMETRY, "bench", capacity_bytes=1 << 30, progress=False,
-                   io_uring=True) as store:
+    with DiskStore(probe, BENCH_GEOMETRY, "bench", StoreOptions(
+            capacity_bytes=1 << 30, progress=False, io_uring=True)) as store:
         offered = store.io_uring
     shutil.rmtree(probe)
     return default, offered

@@ -1,180 +1,304 @@
-"""``phalanx bench replication``: replicated-cache job throughput and latency beside a
-raw loopback TCP request/response baseline of the same frame size and window.
+"""``phalanx bench replication``: replicated-cache jobs beside the same jobs applied by
+one local store (the physical limit) and beside raw loopback TCP (the links' limit).
 
-Every lane is measured inside rank 0 (one task drives the whole loop: no parent->rank-0
-round trip per job); a job counts once every peer acked it.
+A replicated job does its file work on every rank: rank 0 decides and applies it, each
+peer applies it to its own directory, and it counts once every peer acked it. So its
+ceiling is not what TCP carries but what the ranks' file work costs on the cores they
+share: the **local baseline** applies the same jobs with one ``DiskStore`` in this
+process, no peers, no links (``local_jobs_per_s``; ``of_local`` is the ratio). With 3
+ranks on 2 cores, each job's file work done 3 times, the ceiling is about 0.67x.
 
-small: EXPIRE jobs of tiny records (maintenance lane, ``Leader.maintain``): the cheapest
-real job, one unlink per rank, so the figure is the link's and the lane's cost. Its raw
-baseline carries frames of the size of one such job's frame, to an echo process.
-store_1mib: stores of 1 MiB rows (4 pages of 256 KiB) on every rank (request lane,
-pipelined up to the window); each rank writes 1 MiB from its own staging buffer
-(``StagedSource``), only keys cross the link; the raw baseline carries 1 MiB frames,
-what moving the row would cost. p50/p99: single jobs, each waited for (decide, apply,
-send, apply on every peer, ack).
+Everything goes through the public API: ``ReplicatedCache`` from the parent (each call
+is one run; rank 0's ``maintain`` times itself), tasks on ranks through the
+``Orchestrator``, and a KV source of this module's own (``StagedRows``: a rank's
+staging buffer that already holds the bytes, as an engine's does).
+
+small: EXPIRE jobs of tiny records (one unlink per rank: the cheapest real job, so the
+lane's and the link's cost). jobs/s from rank 0's ``maintain`` of ``--records``
+recovered records; p50/p99 of one job (a record stored, then a ``maintain`` that
+expires only it: decide, apply, send, apply on every peer, ack; rank 0's own timing).
+Local: the same directory (a copy of rank 0's, taken while closed) polled to the end.
+store_1mib: stores of 1 MiB rows (4 pages of 256 KiB) on every rank, each from its own
+staging buffer; only keys cross the links. Throughput with ``--concurrency`` stores in
+flight from the parent (a server's concurrent requests); p50/p99 of single stores,
+each waited for, seen from the parent. Local: the same rows stored one by one.
 burst: one maintenance burst of ``--burst`` EXPIRE jobs on a reopened (recovered)
-directory; peak RSS of rank 0 during the burst (VmHWM reset before it).
+directory, with store requests issued from the parent all through it
+(``requests_during_burst``: their p99 against the p99 of the same requests issued
+just before, with no maintenance running; one every ``--request-interval-ms``); peak
+RSS of every rank during the burst (VmHWM reset first). Local: the same directory
+copied and polled to the end.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import resource
-import socket
+import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import click
 import numpy as np
 
-from phalanx.kvstore import Geometry
-from phalanx.kvstore.maintenance import Job, JobKind
-from phalanx.replication import ReplicatedCache
-from phalanx.replication import _rank_tasks as rt
-from phalanx.replication.frames import JobOp, encode
-from phalanx.replication.kv_source import StagedSource
-from phalanx.replication.leader import Leader
-from phalanx.runtime import Worker
+from phalanx.kvstore import DiskStore, Geometry, StoreOptions
+from phalanx.replication import ReplicatedCache, rank_directories
+from phalanx.runtime import Orchestrator, Worker
 
+from ._errors import BenchError
+from ._raw_tcp import raw_jobs_per_s
+from ._rss import peak_rss, reset_peak_rss
 from ._stats import emit, percentile
 
 SMALL = Geometry(layers=1, kv_heads=1, head_dim=4, dtype="float16", page_tokens=4)
 BIG = Geometry(layers=8, kv_heads=8, head_dim=64, dtype="float16", page_tokens=16)  # 256 KiB
 ROW_PAGES = (1 << 20) // BIG.page_bytes  # 4 pages: 1 MiB rows
+# the raw baseline's frame for a small job: about one EXPIRE job's frame (107 B when
+# measured through the replication wire format; the raw figure hardly moves with it)
+SMALL_FRAME = 128
+FINGERPRINT = "bench"
 
 
-def _echo(port: Any, frame: int, n: int) -> None:
-    """The raw baseline's peer, in its own process as a rank is: one byte back per
-    ``frame`` bytes received."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    port.put(srv.getsockname()[1])
-    conn, _ = srv.accept()
-    with conn, srv:
-        got = 0
-        while got < n * frame:
-            chunk = conn.recv(1 << 20)
-            if not chunk:
-                return
-            before = got // frame
-            got += len(chunk)
-            if got // frame > before:
-                conn.sendall(b"a" * (got // frame - before))
+class StagedRows:
+    """A rank's KV source whose staging buffer already holds the bytes (every byte is
+    the rank), as an engine's does: ``row`` is a view, no per-call generation."""
+
+    def __init__(self, geometry: Geometry, rank: int) -> None:
+        self.page_bytes = geometry.page_bytes
+        self.rank = rank
+        self._buf = np.full(0, rank & 0xFF, dtype=np.uint8)
+
+    def row(self, keys: list[bytes], start: int) -> Any:
+        n = (len(keys) - start) * self.page_bytes
+        if self._buf.size < n:
+            self._buf = np.full(n, self.rank & 0xFF, dtype=np.uint8)
+        return self._buf[:n]
+
+    def loaded(self, keys: list[bytes], data: memoryview) -> None:
+        pass  # the benchmark loads nothing
 
 
-def _raw(frame: int, window: int, n: int) -> float:
-    """Request/response over loopback TCP with ``window`` requests in flight: jobs/s.
-
-    The echo runs in a separate process, like a peer rank: an echo thread in this
-    process would share its GIL, and the baseline then swung 80,000-400,000 jobs/s
-    with how the two threads happened to hand the GIL over."""
-    ctx = multiprocessing.get_context("spawn")  # this process has threads: no fork
-    port_q = ctx.Queue()
-    peer = ctx.Process(target=_echo, args=(port_q, frame, n), daemon=True)
-    peer.start()
-    try:
-        port = port_q.get(timeout=60)
-        payload = b"x" * frame
-        with socket.create_connection(("127.0.0.1", port)) as c:
-            t0 = time.perf_counter()
-            sent = acked = 0
-            while acked < n:
-                while sent < n and sent - acked < window:
-                    c.sendall(payload)
-                    sent += 1
-                acked += len(c.recv(65536))
-            secs = time.perf_counter() - t0
-    finally:
-        peer.join(30)
-        if peer.is_alive():
-            peer.kill()
-            peer.join()
-        port_q.close()
-        port_q.join_thread()
-    return n / secs
+def _open(w: Worker, directory: str, geometry: Geometry, window: int,
+          max_age: float | None) -> ReplicatedCache:
+    return ReplicatedCache.open(w, directory, geometry=geometry, fingerprint=FINGERPRINT,
+                                capacity_bytes=1 << 40, max_age=max_age, window=window,
+                                kv_source_factory=StagedRows)
 
 
-def _job_frame_bytes() -> int:
-    job = Job(JobKind.EXPIRE, key=b"k" * 16, start_page=1000, end_page=1001, row_bytes=128)
-    return len(encode(JobOp(1 << 20, job)))
+def _copy_rank0(directory: str, ranks: int, to: str) -> str:
+    """A copy of rank 0's (closed) directory: the local baseline applies the same jobs."""
+    src = rank_directories(directory, ranks)[0]
+    subprocess.run(["cp", "-a", src, to], check=True, timeout=600)
+    return to
 
 
-# -- run on rank 0 (leader_run) -----------------------------------------------------------
-def _latency(leader: Leader, one: Any, n: int) -> list[float]:
-    lat = []
-    for i in range(n):
+def _local_maintain(directory: str) -> tuple[int, float]:
+    """(jobs, seconds): maintenance to the end by one store in this process, no peers."""
+    with DiskStore(directory, SMALL, FINGERPRINT, StoreOptions(
+            capacity_bytes=1 << 40, max_age=1e-3, progress=False)) as store:
+        jobs = 0
         t0 = time.perf_counter()
-        one(i)
-        left = leader.drain(None)
-        assert not left, left
-        lat.append(time.perf_counter() - t0)
+        while n := store.poll(1 << 10):
+            jobs += n
+        return jobs, time.perf_counter() - t0
+
+
+def _local_stores(directory: str, tokens: list[np.ndarray]) -> float:
+    """Seconds to store ``tokens``' rows one by one in one store, from a staged buffer."""
+    source = StagedRows(BIG, 0)
+    with DiskStore(directory, BIG, FINGERPRINT,
+                   StoreOptions(capacity_bytes=1 << 40, progress=False)) as store:
+        chains = [store.chain(t) for t in tokens]
+        t0 = time.perf_counter()
+        for chain in chains:
+            res = store.store(chain, source.row(chain.keys, 0))
+            if not res.stored:
+                raise BenchError(f"local baseline: a 1 MiB row was not stored: {res}")
+        return time.perf_counter() - t0
+
+
+def _maintained(rc: ReplicatedCache) -> tuple[int, float]:
+    rep = rc.maintain()
+    return sum(rep.jobs.values()), rep.seconds
+
+
+def _one_job_latency(rc: ReplicatedCache, n: int) -> list[float]:
+    """Rank 0's time for ``maintain`` runs that each expire exactly one record."""
+    lat: list[float] = []
+    pt = SMALL.page_tokens
+    for i in range(n):
+        rc.store(np.arange(pt) + 10**8 + i * pt)
+        deadline = time.monotonic() + 30
+        while True:  # the record expires 1 ms after its store
+            jobs, secs = _maintained(rc)
+            if jobs:
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"record {i} of the latency loop never expired")
+        if jobs != 1:
+            raise BenchError(f"latency loop: maintain ran {jobs} jobs, not 1")
+        lat.append(secs)
     return lat
 
 
-def _small_lane(leader: Leader, lat_jobs: int) -> dict[str, Any]:
-    lat = _latency(leader, lambda _: leader.poll(1), lat_jobs)
-    rep = leader.maintain()
-    n = sum(rep.jobs.values())
-    return {"jobs": n, "seconds": rep.seconds, "lat": lat, "kinds": rep.jobs}
+def _timed_stores(rc: ReplicatedCache, tokens: list[np.ndarray]) -> list[float]:
+    lat = []
+    for t in tokens:
+        t0 = time.perf_counter()
+        res = rc.store(t)
+        lat.append(time.perf_counter() - t0)
+        if not res.stored:
+            raise BenchError(f"a store request was not stored: {res}")
+    return lat
 
 
-def _store_lane(leader: Leader, stores: int, lat_n: int) -> dict[str, Any]:
-    pt = leader.store.geometry.page_tokens
-    chains = [leader.store.chain(np.arange(ROW_PAGES * pt) + 10**7 * (i + 1))
-              for i in range(stores + lat_n)]
-    lat = _latency(leader, lambda i: leader.store_chain(chains[stores + i]), lat_n)
+def _paced_stores(rc: ReplicatedCache, tokens: Callable[[], np.ndarray], interval: float,
+                  done: threading.Event, count: int | None = None) -> list[float]:
+    """Latencies of store requests issued one every ``interval`` seconds, ``count`` of
+    them or until ``done`` is set; a request still running when it is set does not
+    count (only requests wholly inside the burst do).
+
+    Paced, not back to back: a server's requests arrive at their own rate, and back to
+    back they would hold the maintenance lane, which yields to every request in
+    progress."""
+    lat: list[float] = []
+    due = time.monotonic()
+    while (count is None or len(lat) < count) and not done.wait(
+            max(0.0, due - time.monotonic())):
+        due += interval
+        t = tokens()
+        t0 = time.perf_counter()
+        res = rc.store(t)
+        if not res.stored:
+            raise BenchError(f"a store request was not stored: {res}")
+        if not done.is_set():
+            lat.append(time.perf_counter() - t0)
+    return lat
+
+
+def _lane(jobs: int, seconds: float, local: tuple[int, float]) -> dict[str, Any]:
+    """A lane's throughput beside its local baseline's (jobs, seconds)."""
+    jps = jobs / seconds
+    local_jps = local[0] / local[1]
+    return {"jobs": jobs, "seconds": round(seconds, 3), "jobs_per_s": round(jps, 1),
+            "local_jobs": local[0], "local_jobs_per_s": round(local_jps, 1),
+            "of_local": round(jps / local_jps, 3)}
+
+
+def _same_jobs(jobs: int, local: tuple[int, float]) -> None:
+    if local[0] != jobs:
+        raise BenchError(f"the local baseline applied {local[0]} jobs, the lane {jobs}")
+
+
+def _latency_and_raw(lane: dict[str, Any], lat: list[float], raw: float) -> None:
+    lane.update({"p50_us": round(percentile(lat, 50) * 1e6),
+                 "p99_us": round(percentile(lat, 99) * 1e6),
+                 "raw_jobs_per_s": round(raw, 1),
+                 "of_raw": round(lane["jobs_per_s"] / raw, 3)})
+
+
+def _small(w: Worker, tmp: str, records: int, window: int, ranks: int) -> dict[str, Any]:
+    d = f"{tmp}/small"
+    rc = _open(w, d, SMALL, window, None)
+    rc.synth(records, "tree")
+    rc.close()  # raises CleanupError naming every rank that failed
+    local = _local_maintain(_copy_rank0(d, ranks, f"{tmp}/small-local"))
+    rc = _open(w, d, SMALL, window, 1e-3)
+    try:
+        jobs, secs = _maintained(rc)
+        lat = _one_job_latency(rc, 200)
+    finally:
+        rc.close()  # raises CleanupError naming every rank that failed
+    _same_jobs(jobs, local)
+    out = _lane(jobs, secs, local)
+    _latency_and_raw(out, lat, raw_jobs_per_s(SMALL_FRAME, window, 100_000))
+    return out
+
+
+def _stores(w: Worker, tmp: str, stores: int, window: int,
+            concurrency: int) -> dict[str, Any]:
+    pt = BIG.page_tokens
+    tokens = [np.arange(ROW_PAGES * pt) + 10**7 * (i + 1) for i in range(stores + 20)]
+    local = (stores, _local_stores(f"{tmp}/big-local", tokens[:stores]))
+    rc = _open(w, f"{tmp}/big", BIG, window, None)
+    try:
+        lat = _timed_stores(rc, tokens[stores:])
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="bench-store") as pool:
+            shares = [tokens[i:stores:concurrency] for i in range(concurrency)]
+            for f in [pool.submit(_timed_stores, rc, share) for share in shares]:
+                f.result()
+        secs = time.perf_counter() - t0
+    finally:
+        rc.close()  # raises CleanupError naming every rank that failed
+    out = _lane(stores, secs, local)
+    _latency_and_raw(out, lat, raw_jobs_per_s(1 << 20, window, 500))
+    out["row_bytes"] = ROW_PAGES * BIG.page_bytes
+    out["concurrency"] = concurrency
+    return out
+
+
+def _on_every_rank(w: Worker, fn: Callable[[], Any]) -> dict[int, Any]:
+    def orch(o: Orchestrator) -> dict[int, Any]:
+        futs = {r: o.submit(r, fn) for r in o.ranks}
+        return {r: f.result() for r, f in futs.items()}
+
+    out: dict[int, Any] = w.run(orch)
+    return out
+
+
+def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: int,
+           interval: float) -> dict[str, Any]:
+    d = f"{tmp}/burst"
+    rc = _open(w, d, SMALL, window, None)
     t0 = time.perf_counter()
-    for chain in chains[:stores]:
-        leader.wait_room()
-        res = leader.store_chain(chain, wait=False)
-        assert res.stored and res.end_page - res.start_page == ROW_PAGES, res
-    left = leader.drain(None)
-    assert not left, left
-    return {"jobs": stores, "seconds": time.perf_counter() - t0, "lat": lat,
-            "row_bytes": ROW_PAGES * BIG.page_bytes}
+    rc.synth(burst, "tree")
+    synth_s = time.perf_counter() - t0
+    rc.close()  # raises CleanupError naming every rank that failed
+    local = _local_maintain(_copy_rank0(d, ranks, f"{tmp}/burst-local"))
+    t0 = time.perf_counter()
+    rc = _open(w, d, SMALL, window, 1e-3)
+    open_s = time.perf_counter() - t0
+    pt = SMALL.page_tokens
+    fresh = iter(range(10**9))  # store requests: new single-page records, 2 pages deep
 
+    def request_tokens() -> np.ndarray:
+        return np.arange(2 * pt) + 2 * pt * next(fresh) + 10**9
 
-def _peak_reset() -> bool:
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
+        idle = _paced_stores(rc, request_tokens, interval, threading.Event(), requests)
+        rss_before = _on_every_rank(w, reset_peak_rss)
+        done = threading.Event()
 
-
-def _peak_mb() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _burst(leader: Leader) -> dict[str, Any]:
-    reset = _peak_reset()
-    before = _peak_mb()
-    rep = leader.maintain()
-    return {"jobs": sum(rep.jobs.values()), "seconds": rep.seconds, "peak_mb": _peak_mb(),
-            "rss_before_mb": before, "peak_reset": reset, "kinds": rep.jobs,
-            "pid": os.getpid()}
-
-
-def _on_leader(w: Worker, rc: ReplicatedCache, fn: Any, *args: Any) -> Any:
-    return w.run(lambda o: o.submit(0, rt.leader_run, rc.cache_id, fn, *args).result())
-
-
-def _lane(res: dict[str, Any], raw: float) -> dict[str, Any]:
-    lat = res.pop("lat")
-    jps = res["jobs"] / res["seconds"]
-    return {"jobs_per_s": round(jps, 1), "p50_us": round(percentile(lat, 50) * 1e6),
-            "p99_us": round(percentile(lat, 99) * 1e6), "raw_jobs_per_s": round(raw, 1),
-            "of_raw": round(jps / raw, 3), "jobs": res["jobs"],
-            "seconds": round(res["seconds"], 3)}
+        with ThreadPoolExecutor(1, thread_name_prefix="bench-requests") as pool:
+            fut = pool.submit(_paced_stores, rc, request_tokens, interval, done)
+            try:
+                jobs, secs = _maintained(rc)
+            finally:
+                done.set()
+            during = fut.result()
+        peaks = _on_every_rank(w, peak_rss)
+    finally:
+        rc.close()  # raises CleanupError naming every rank that failed
+    if not during:
+        raise BenchError("no store request completed during the burst")
+    # jobs: the burst's and the expiries of the requests' own records (a few hundred)
+    out = _lane(jobs, secs, local)
+    out.update({"peak_rss_mb": {str(r): round(v, 1) for r, v in peaks.items()},
+                "rss_before_mb": {str(r): round(v[1], 1) for r, v in rss_before.items()},
+                "peak_reset": all(v[0] for v in rss_before.values()),
+                "setup_synth_s": round(synth_s, 1), "reopen_s": round(open_s, 1)})
+    req: dict[str, float] = {"idle_p50_us": round(percentile(idle, 50) * 1e6),
+                             "idle_p99_us": round(percentile(idle, 99) * 1e6),
+                             "burst_p50_us": round(percentile(during, 50) * 1e6),
+                             "burst_p99_us": round(percentile(during, 99) * 1e6),
+                             "idle_requests": len(idle), "burst_requests": len(during),
+                             "interval_ms": interval * 1e3}
+    req["p99_ratio"] = round(req["burst_p99_us"] / req["idle_p99_us"], 2)
+    return {"burst": out, "requests_during_burst": req}
 
 
 @click.command()
@@ -182,42 +306,22 @@ def _lane(res: dict[str, Any], raw: float) -> dict[str, Any]:
 @click.option("--records", type=int, default=20_000, show_default=True,
               help="tiny records expired in the small lane")
 @click.option("--stores", type=int, default=300, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1), default=4, show_default=True,
+              help="store requests in flight in the store lane")
 @click.option("--burst", type=int, default=100_000, show_default=True)
+@click.option("--requests", type=int, default=500, show_default=True,
+              help="idle store requests timed before the burst")
+@click.option("--request-interval-ms", "interval_ms", type=click.FloatRange(0), default=5.0,
+              show_default=True, help="time between store requests during the burst")
 @click.option("--window", type=int, default=64, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def command(peers: int, records: int, stores: int, burst: int, window: int,
-            as_json: bool) -> None:
-    """Replication throughput/latency vs raw loopback TCP; rank 0's memory in a burst."""
-    out: dict[str, Any] = {}
-    lat_n = 200
-    with tempfile.TemporaryDirectory() as tmp, Worker(ranks=peers + 1) as w:
-        kw: dict[str, Any] = {"fingerprint": "bench", "capacity_bytes": 1 << 40,
-                              "window": window, "kv_source_factory": StagedSource}
-        rc = ReplicatedCache.open(w, f"{tmp}/small", geometry=SMALL, max_age=1e-3, **kw)
-        rc.synth(records + lat_n, "tree")
-        small = _on_leader(w, rc, _small_lane, lat_n)
-        assert rc.close() == []
-        frame = _job_frame_bytes()
-        out["small"] = _lane(small, _raw(frame, window, 100_000))
-        out["small"]["frame_bytes"] = frame
-        rc = ReplicatedCache.open(w, f"{tmp}/big", geometry=BIG, **kw)
-        big = _on_leader(w, rc, _store_lane, stores, 20)
-        assert rc.close() == []
-        out["store_1mib"] = _lane(big, _raw(1 << 20, window, 500))
-        out["store_1mib"]["row_bytes"] = big["row_bytes"]
-        rc = ReplicatedCache.open(w, f"{tmp}/burst", geometry=SMALL, **kw)
-        t0 = time.perf_counter()
-        rc.synth(burst, "tree")
-        synth_s = time.perf_counter() - t0
-        assert rc.close() == []
-        t0 = time.perf_counter()
-        rc = ReplicatedCache.open(w, f"{tmp}/burst", geometry=SMALL, max_age=1e-3, **kw)
-        open_s = time.perf_counter() - t0
-        b = _on_leader(w, rc, _burst)
-        assert rc.close() == []
-        out["burst"] = {"jobs": b["jobs"], "seconds": round(b["seconds"], 2),
-                        "peak_rss_mb": round(b["peak_mb"], 1),
-                        "rss_before_mb": round(b["rss_before_mb"], 1),
-                        "jobs_per_s": round(b["jobs"] / b["seconds"]),
-                        "setup_synth_s": round(synth_s, 1), "reopen_s": round(open_s, 1)}
+def command(peers: int, records: int, stores: int, concurrency: int, burst: int,
+            requests: int, interval_ms: float, window: int, as_json: bool) -> None:
+    """Replication vs one local store and raw TCP; requests and memory in a burst."""
+    ranks = peers + 1
+    out: dict[str, Any] = {"ranks": ranks, "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp, Worker(ranks=ranks) as w:
+        out["small"] = _small(w, tmp, records, window, ranks)
+        out["store_1mib"] = _stores(w, tmp, stores, window, concurrency)
+        out.update(_burst(w, tmp, burst, window, ranks, requests, interval_ms / 1e3))
     emit(out, as_json)
