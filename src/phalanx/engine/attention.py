@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 
 from ._errors import EngineError
 
@@ -82,13 +82,13 @@ def build_meta(chunks: list[tuple[int, int, list[int]]], page_tokens: int) -> At
     meta.prefill = [m for m in metas if m.q_len > 1]
     if decode:
         width = max(len(m.block_table) for m in decode)
-        table = torch.zeros((len(decode), width), dtype=torch.long)
+        padded = torch.zeros((len(decode), width), dtype=torch.long)
         for i, m in enumerate(decode):
-            table[i, :len(m.block_table)] = m.block_table
-        meta.decode_pages = table
+            padded[i, :len(m.block_table)] = m.block_table
+        meta.decode_pages = padded
         meta.decode_rows = [m.q_start for m in decode]
-        ctx = torch.tensor([m.context for m in decode]).view(-1, 1, 1, 1)
-        meta.decode_mask = torch.arange(width * page_tokens).view(1, 1, 1, -1) < ctx
+        lens = torch.tensor([m.context for m in decode]).view(-1, 1, 1, 1)
+        meta.decode_mask = torch.arange(width * page_tokens).view(1, 1, 1, -1) < lens
     return meta
 
 
@@ -112,7 +112,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
             is_causal=m.mask is None, scale=scale, enable_gqa=heads != kv_heads)
         out[m.q_start:m.q_start + m.q_len] = o[0].transpose(0, 1)
     if meta.decode_pages is not None:
-        b, width = meta.decode_pages.shape
+        b = meta.decode_pages.shape[0]
         pages = kv[meta.decode_pages]                     # [B, w, 2, pt, kvh, d]
         keys = pages[:, :, 0].reshape(b, -1, kv_heads, d).transpose(1, 2)
         vals = pages[:, :, 1].reshape(b, -1, kv_heads, d).transpose(1, 2)

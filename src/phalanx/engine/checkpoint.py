@@ -115,7 +115,8 @@ class Checkpoint:
             from safetensors import safe_open
 
             try:
-                handle = safe_open(str(path), framework="pt").__enter__()
+                opened: Any = safe_open(str(path), framework="pt")
+                handle = opened.__enter__()
             except Exception as exc:  # safetensors raises its own types; keep the path
                 raise CheckpointError(f"{path}: cannot open ({exc})") from exc
             self._open[path] = handle

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 
 from ._errors import CheckpointError
 from .config import ModelConfig
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from .checkpoint import Checkpoint
     from .tp import TPComm
 
-__all__ = ["LMHead", "Part", "ParallelLinear", "RMSNorm", "Rotary", "VocabEmbedding", "rope_inv_freq"]
+__all__ = ["LMHead", "ParallelLinear", "Part", "RMSNorm", "Rotary", "VocabEmbedding",
+           "rope_inv_freq"]
 
 
 @dataclass(frozen=True)

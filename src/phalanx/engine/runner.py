@@ -1,0 +1,221 @@
+"""The rank-side runner: this rank's model shard and KV pages, executing one step plan.
+
+Every TP rank holds one :class:`Runner` (opened by a task with :func:`open_runner`, kept
+in the rank's service registry under ``engine.runner/<id>`` so the Worker's close closes
+it) and executes the same :class:`~phalanx.engine.plan.StepPlan` in the same order:
+page copies, disk-tier loads into pages, the forward (its collectives), the staging of
+saved pages. Rank 0 samples and returns the tokens; other ranks return none. Nothing a
+rank holds locally changes which collectives it issues: the plan alone decides.
+
+A page's bytes on this rank are its K/V for every layer, layer-major
+(``kv[layer][page]`` one after another), ``Geometry.page_bytes`` long: what the disk
+tier stores for this rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from ._errors import EngineError
+from .attention import build_meta
+from .config import ModelConfig, load_config
+from .model import CausalLM
+from .plan import SamplingSpec, StepPlan, StepResult, TokenLogprobs
+from .tp import SoloComm, TPComm, intra_op_threads
+
+if TYPE_CHECKING:
+    from phalanx.kvstore import Geometry
+
+__all__ = ["PageTier", "Runner", "close_runner", "get_runner", "open_runner"]
+
+_SERVICE = "engine.runner/{}"
+
+
+class PageTier(Protocol):
+    """The disk tier as a runner sees it (rank-local; rank 0 decided what it holds)."""
+
+    def load(self, keys: list[bytes], out: torch.Tensor) -> None:
+        """Fill ``out`` [len(keys), page_bytes] (uint8) with the pages of ``keys``."""
+
+    def save(self, keys: list[bytes], data: torch.Tensor) -> None:
+        """Stage ``data`` [len(keys), page_bytes] for storing in the background (copy it)."""
+
+
+class Runner:
+    """One rank's shard of the model and its KV pool."""
+
+    def __init__(self, model_dir: str | Path, comm: TPComm | None = None, *,
+                 num_pages: int, page_tokens: int = 64, dtype: str | None = None,
+                 max_model_len: int | None = None, vocab_parallel: bool = False,
+                 tier: PageTier | None = None, threads: int | None = None) -> None:
+        self.comm: TPComm = comm or SoloComm()
+        self.threads = threads or intra_op_threads(self.comm.size)
+        if threads:
+            torch.set_num_threads(threads)
+        self.cfg: ModelConfig = load_config(model_dir, max_model_len=max_model_len,
+                                            dtype=dtype)
+        self.model, self.report = CausalLM.from_pretrained(model_dir, self.cfg, self.comm,
+                                                           vocab_parallel)
+        self.model.eval()
+        if num_pages < 1 or page_tokens < 1:
+            raise EngineError(f"rank {self.comm.rank}: a KV pool needs num_pages >= 1 and "
+                              f"page_tokens >= 1 (got {num_pages}, {page_tokens})")
+        self.num_pages = num_pages
+        self.page_tokens = page_tokens
+        self.kv: list[torch.Tensor] = self.model.allocate_kv(num_pages, page_tokens)
+        self.tier = tier
+        self.closed = False
+
+    # -- what this rank holds ---------------------------------------------------------
+    def geometry(self) -> Geometry:
+        """The disk tier's geometry of this rank's pages."""
+        from phalanx.kvstore import Geometry
+
+        return Geometry(layers=self.cfg.num_layers, kv_heads=self.model.shard.kv_heads,
+                        head_dim=self.cfg.head_dim, dtype=self.cfg.dtype,
+                        page_tokens=self.page_tokens)
+
+    def memory(self) -> dict[str, Any]:
+        """Bytes this rank holds: weights (read from the checkpoint) and KV pool."""
+        return {"rank": self.comm.rank, "tp": self.comm.size,
+                "weight_bytes": self.model.weight_bytes(),
+                "bytes_read": self.report.bytes_read,
+                "kv_bytes": sum(t.numel() * t.element_size() for t in self.kv),
+                "kv_heads_local": self.model.shard.kv_heads,
+                "heads_local": self.model.shard.heads,
+                "threads": self.threads}
+
+    def read_pages(self, page_ids: Sequence[int]) -> torch.Tensor:
+        """The bytes of ``page_ids`` on this rank: uint8 [n, page_bytes]."""
+        self._check_pages(page_ids)
+        idx = torch.tensor(list(page_ids), dtype=torch.long)
+        n = len(page_ids)
+        return torch.cat([layer[idx].view(n, -1).view(torch.uint8) for layer in self.kv], dim=1)
+
+    def write_pages(self, page_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Set ``page_ids`` from ``data`` uint8 [n, page_bytes] (the disk tier's bytes)."""
+        self._check_pages(page_ids)
+        idx = torch.tensor(list(page_ids), dtype=torch.long)
+        n = len(page_ids)
+        per = data.shape[1] // len(self.kv)
+        for i, layer in enumerate(self.kv):
+            part = data[:, i * per:(i + 1) * per].contiguous().view(layer.dtype)
+            layer[idx] = part.view(n, *layer.shape[1:])
+
+    def _check_pages(self, page_ids: Sequence[int]) -> None:
+        bad = [p for p in page_ids if not 0 <= p < self.num_pages]
+        if bad:
+            raise EngineError(f"rank {self.comm.rank}: page ids {bad[:8]} are outside the "
+                              f"pool of {self.num_pages} pages")
+
+    # -- one step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run ``plan``: copies, loads, forward, saves; rank 0 samples."""
+        hidden, rows, specs, seqs = self._step(plan, sample_only=True)
+        tokens: dict[int, int] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
+        if rows:
+            logits = self._logits(hidden)
+            if self.comm.rank == 0:
+                from .sampling import sample
+
+                picked, lps = sample(logits, specs)
+                tokens = dict(zip(seqs, picked, strict=True))
+                logprobs = {s: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None}
+        self._saves(plan)
+        return StepResult(step=plan.step, tokens=tokens, logprobs=logprobs)
+
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """Float32 logits of every token of the plan, in token order (for oracle tests)."""
+        hidden, _, _, _ = self._step(plan, sample_only=False)
+        self._saves(plan)
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def _step(self, plan: StepPlan, sample_only: bool
+              ) -> tuple[torch.Tensor, list[int], list[SamplingSpec], list[int]]:
+        if self.closed:
+            raise EngineError(f"rank {self.comm.rank}: the runner was closed")
+        for src, dst in plan.copies:
+            self._check_pages([src, dst])
+            for layer in self.kv:
+                layer[dst] = layer[src]
+        for load in plan.loads:
+            if self.tier is None:
+                raise EngineError(f"rank {self.comm.rank}: step {plan.step} loads "
+                                  f"{len(load.keys)} pages but this runner has no disk tier")
+            self._check_pages(load.page_ids)
+            buf = torch.empty((len(load.keys), self.geometry().page_bytes), dtype=torch.uint8)
+            self.tier.load(list(load.keys), buf)
+            self.write_pages(load.page_ids, buf)
+        if not plan.chunks:
+            return torch.empty(0, self.cfg.hidden_size), [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
+        specs: list[SamplingSpec] = []
+        seqs: list[int] = []
+        spans: list[tuple[int, int, list[int]]] = []
+        for c in plan.chunks:
+            if not c.tokens:
+                raise EngineError(f"step {plan.step}: sequence {c.seq_id} has an empty chunk")
+            self._check_pages(c.block_table)
+            ids.extend(c.tokens)
+            pos.extend(range(c.start_pos, c.start_pos + len(c.tokens)))
+            spans.append((c.start_pos, len(c.tokens), list(c.block_table)))
+            if c.sample:
+                rows.append(len(ids) - 1)
+                specs.append(c.sampling)
+                seqs.append(c.seq_id)
+        if max(pos) >= self.cfg.max_model_len:
+            raise EngineError(f"step {plan.step}: position {max(pos)} is beyond max_model_len "
+                              f"{self.cfg.max_model_len}")
+        meta = build_meta(spans, self.page_tokens)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long),
+                            torch.tensor(pos, dtype=torch.long), meta, self.kv)
+        if sample_only:
+            hidden = hidden[torch.tensor(rows, dtype=torch.long)] if rows else hidden[:0]
+        return hidden, rows, specs, seqs
+
+    def _saves(self, plan: StepPlan) -> None:
+        for save in plan.saves:
+            if self.tier is None:
+                continue  # no disk tier: nothing to stage (rank 0 would not plan saves)
+            self.tier.save(list(save.keys), self.read_pages(save.page_ids))
+
+    def close(self) -> None:
+        """Drop the KV pool and the weights (idempotent)."""
+        self.closed = True
+        self.kv = []
+
+
+
+def open_runner(runner_id: str, model_dir: str | Path, comm: TPComm | None = None,
+                **kwargs: Any) -> Runner:
+    """Open a runner on this rank and register it as ``engine.runner/<runner_id>`` in the
+    rank's service registry (call from a task on the rank)."""
+    from phalanx.runtime.services import rank_services
+
+    runner = Runner(model_dir, comm, **kwargs)
+    return rank_services().register(_SERVICE.format(runner_id), runner, runner.close)
+
+
+def get_runner(runner_id: str) -> Runner:
+    """This rank's runner ``runner_id`` (opened by :func:`open_runner`)."""
+    from phalanx.runtime.services import rank_services
+
+    return rank_services().get(_SERVICE.format(runner_id), Runner)
+
+
+def close_runner(runner_id: str) -> None:
+    from phalanx.runtime.services import rank_services
+
+    rank_services().close(_SERVICE.format(runner_id))

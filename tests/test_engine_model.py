@@ -1,0 +1,181 @@
+"""The decoder at TP 1 against Hugging Face transformers, and the config's refusals.
+
+Tolerance: float32 logits within ``ATOL`` (1e-4) of transformers'; greedy generation of
+32 tokens identical token for token to ``model.generate(do_sample=False)``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine_oracle import ATOL, PAGE_TOKENS, PROMPT, engine_generate, hf_reference, write_checkpoint
+from phalanx.engine._errors import CheckpointError, ModelConfigError
+from phalanx.engine.checkpoint import Checkpoint, weights_digest
+from phalanx.engine.config import ModelConfig, load_config
+from phalanx.engine.plan import SamplingSpec, SeqChunk, StepPlan
+from phalanx.engine.runner import Runner
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-untied-gqa": ("llama", {}),
+    "llama-tied-mha-llama3": ("llama", dict(
+        tie_word_embeddings=True, num_key_value_heads=4,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "qwen2-tied-bias": ("qwen2", dict(tie_word_embeddings=True)),
+    "mistral-mqa-linear": ("mistral", dict(
+        num_key_value_heads=1, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama-sharded": ("llama", dict(max_shard_size="100KB")),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for i, (name, (arch, kw)) in enumerate(CASES.items()):
+        kw = dict(kw)
+        shard = kw.pop("max_shard_size", None)
+        out[name] = write_checkpoint(root / name, arch, seed=i, max_shard_size=shard, **kw)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_oracle_tp1(checkpoints: dict[str, Path], case: str) -> None:
+    path = checkpoints[case]
+    ref_logits, ref_tokens = hf_reference(path)
+    runner = Runner(path, num_pages=8, page_tokens=PAGE_TOKENS, threads=1)
+    assert runner.report.missing == [] and runner.report.unexpected == []
+    logits, tokens = engine_generate(runner)
+    assert logits.shape == ref_logits.shape
+    err = (logits - ref_logits).abs().max().item()
+    assert err <= ATOL, f"{case}: logits differ by {err}"
+    assert ref_logits.std().item() > 0.3  # spread out: greedy is not decided by ties
+    assert tokens == ref_tokens
+    runner.close()
+
+
+def test_sharded_checkpoint_has_an_index(checkpoints: dict[str, Path]) -> None:
+    path = checkpoints["llama-sharded"]
+    assert (path / "model.safetensors.index.json").exists()
+    assert len(list(path.glob("model-*.safetensors"))) > 1
+    assert len(weights_digest(path)) == 64
+
+
+def test_prefill_chunk_sizes_agree(checkpoints: dict[str, Path]) -> None:
+    """Whole-prompt, page-sized and odd-sized chunks give the same logits (bounded:
+    different matmul shapes may round differently) and the same greedy tokens."""
+    runner = Runner(checkpoints["llama-untied-gqa"], num_pages=8, page_tokens=PAGE_TOKENS,
+                    threads=1)
+    base, base_tokens = engine_generate(runner, chunk=len(PROMPT))
+    for chunk in (PAGE_TOKENS, 5, 1):
+        logits, tokens = engine_generate(runner, chunk=chunk)
+        assert (logits - base).abs().max().item() <= ATOL
+        assert tokens == base_tokens
+
+
+def test_batched_step_equals_single(checkpoints: dict[str, Path]) -> None:
+    """Two sequences in one step (a prefill beside a decode) match each run alone."""
+    runner = Runner(checkpoints["qwen2-tied-bias"], num_pages=16, page_tokens=PAGE_TOKENS,
+                    threads=1)
+    _, alone = engine_generate(runner, new_tokens=4)
+    a = PROMPT
+    b = PROMPT[:20][::-1]
+    greedy = SamplingSpec()
+    pa, pb = [0, 1, 2], [3, 4, 5]
+    r = runner.execute(StepPlan(0, [SeqChunk(1, a, 0, pa, True, greedy)]))
+    ta = [r.tokens[1]]
+    for step in range(1, 4):
+        chunks = [SeqChunk(1, [ta[-1]], len(a) + step - 1, pa, True, greedy)]
+        if step == 1:
+            chunks.append(SeqChunk(2, b, 0, pb, True, greedy))
+        r = runner.execute(StepPlan(step, chunks))
+        ta.append(r.tokens[1])
+    assert ta == alone
+    assert 2 not in runner.execute(StepPlan(9, [SeqChunk(2, [1], len(b), pb, False,
+                                                         greedy)])).tokens
+
+
+def test_pages_round_trip(checkpoints: dict[str, Path]) -> None:
+    """A sequence's pages read out and written into other pages (what a disk-tier save
+    and load do) continue exactly as the originals."""
+    runner = Runner(checkpoints["llama-untied-gqa"], num_pages=12, page_tokens=PAGE_TOKENS,
+                    threads=1)
+    _, tokens = engine_generate(runner, new_tokens=4)
+    geom = runner.geometry()
+    data = runner.read_pages([0, 1, 2])
+    assert tuple(data.shape) == (3, geom.page_bytes)
+    runner.write_pages([6, 7, 8], data)
+    assert torch.equal(runner.read_pages([6, 7, 8]), data)
+    pos = len(PROMPT) + len(tokens) - 1
+    nexts = [runner.execute(StepPlan(9, [SeqChunk(1, [tokens[-1]], pos, table, True,
+                                                  SamplingSpec())])).tokens[1]
+             for table in ([0, 1, 2], [6, 7, 8])]
+    assert nexts[0] == nexts[1]
+    mem = runner.memory()
+    assert mem["weight_bytes"] == mem["bytes_read"]
+
+
+def _raw(path: Path) -> dict[str, Any]:
+    return dict(json.loads((path / "config.json").read_text()))
+
+
+@pytest.mark.parametrize(("edit", "field", "value"), [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures", "GPT2LMHeadModel"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type", "yarn"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     "rope_type", "dynamic"),
+    ({"hidden_act": "gelu"}, "hidden_act", "gelu"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads", "3"),
+    ({"dtype": "int8"}, "dtype", "int8"),
+])
+def test_refusals_name_field_and_value(checkpoints: dict[str, Path], edit: dict[str, Any],
+                                       field: str, value: str) -> None:
+    raw = _raw(checkpoints["llama-untied-gqa"]) | edit
+    with pytest.raises(ModelConfigError) as info:
+        ModelConfig.from_dict(raw)
+    assert field in str(info.value) and value in str(info.value)
+
+
+def test_sliding_window_shorter_than_context_is_refused(checkpoints: dict[str, Path]) -> None:
+    raw = _raw(checkpoints["mistral-mqa-linear"]) | {"sliding_window": 64}
+    with pytest.raises(ModelConfigError, match=r"sliding_window=64.*128"):
+        ModelConfig.from_dict(raw)
+    # a window as long as the context served is honoured exactly by full attention
+    assert ModelConfig.from_dict(raw, max_model_len=64).max_model_len == 64
+    # Qwen2's window applies only with use_sliding_window
+    qwen = _raw(checkpoints["qwen2-tied-bias"]) | {"sliding_window": 16}
+    ModelConfig.from_dict(qwen)
+    with pytest.raises(ModelConfigError, match="sliding_window=16"):
+        ModelConfig.from_dict(qwen | {"use_sliding_window": True})
+
+
+def test_rope_fields_of_both_transformers_versions(checkpoints: dict[str, Path]) -> None:
+    raw = _raw(checkpoints["mistral-mqa-linear"])
+    new = ModelConfig.from_dict(raw)
+    old = dict(raw)
+    params = old.pop("rope_parameters")
+    old["rope_theta"] = params.pop("rope_theta")
+    old["rope_scaling"] = {"type": params["rope_type"], "factor": params["factor"]}
+    assert ModelConfig.from_dict(old) == new
+    assert new.rope_scaling is not None and new.rope_scaling.factor == 2.0
+
+
+def test_missing_tensor_is_named(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = checkpoints["llama-untied-gqa"]
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    tensors["extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    with Checkpoint(tmp_path) as ckpt:
+        assert "extra.weight" in ckpt.names()
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        Runner(tmp_path, num_pages=2, page_tokens=PAGE_TOKENS, threads=1)
+    assert load_config(tmp_path).num_layers == 2
