@@ -4,6 +4,7 @@ It knows nothing about HTTP or models.
 """
 
 from ._errors import (
+    BaseNotReadyError,
     CollectiveError,
     DomainAllocationError,
     DomainError,
@@ -15,6 +16,7 @@ from .view import DomainView
 from .worker import DomainOrchestrator, Worker
 
 __all__ = [
+    "BaseNotReadyError",
     "CollectiveError",
     "Domain",
     "DomainAllocationError",

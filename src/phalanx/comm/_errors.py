@@ -5,6 +5,7 @@
         ├── DomainSpecError         a bad name, member list, size or buffer layout
         ├── DomainAllocationError   allocation failed on some ranks; every rank rolled back
         ├── DomainReleasedError     a released (revoked) domain was used
+        ├── BaseNotReadyError       a domain step ran on a rank without the base communicator
         └── CollectiveError         a barrier or collective did not complete
 """
 
@@ -31,6 +32,10 @@ class DomainAllocationError(DomainError):
 
 class DomainReleasedError(DomainError):
     """The domain was released; it can no longer be used."""
+
+
+class BaseNotReadyError(DomainError):
+    """A domain step ran on a rank whose base communicator is not initialised."""
 
 
 class CollectiveError(DomainError, TimeoutError):

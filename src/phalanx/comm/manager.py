@@ -137,9 +137,9 @@ class DomainManager:
         # Markers or keys a failed handshake left: remove them now that nobody waits
         # (through the first member that can: any rank reaches the whole store).
         for r in members:
-            outcome = self.worker._call_ranks([r], rank_ops.purge_handshakes, alloc_id,
-                                                members)[r]
-            if not isinstance(outcome, BaseException):
+            outcome = self.worker.call_ranks([r], rank_ops.purge_handshakes, alloc_id,
+                                             members)[r]
+            if outcome.ok:
                 return
 
     def _ensure_base(self, o: Orchestrator) -> None:
@@ -192,9 +192,9 @@ class DomainManager:
     def _physical_release(self, domain: Domain) -> None:
         _PHYSICAL.hit()
         members = list(domain.members)
-        outcomes = self.worker._call_ranks(members, rank_ops.domain_release, domain.alloc_id,
-                                           members, self.timeout, timeout=self.timeout + 10)
-        failures = {r: v for r, v in outcomes.items() if isinstance(v, Exception)}
+        outcomes = self.worker.call_ranks(members, rank_ops.domain_release, domain.alloc_id,
+                                          members, self.timeout, timeout=self.timeout + 10)
+        failures = {r: o.error for r, o in outcomes.items() if o.error is not None}
         if failures:
             raise CleanupError(
                 f"releasing domain {domain.name!r} (id {domain.alloc_id}) failed on ranks "
@@ -210,9 +210,9 @@ class DomainManager:
 
     def _release_base(self) -> None:
         _BASE_RELEASE.hit()
-        alive = self.worker._alive_ranks()
-        outcomes = self.worker._call_ranks(alive, rank_ops.base_release, timeout=self.timeout)
-        failures = [v for v in outcomes.values() if isinstance(v, Exception)]
+        alive = self.worker.alive_ranks()
+        outcomes = self.worker.call_ranks(alive, rank_ops.base_release, timeout=self.timeout)
+        failures = [o.error for o in outcomes.values() if o.error is not None]
         if failures:
             raise CleanupError("releasing the base communicator failed", failures)
 
@@ -222,11 +222,12 @@ class DomainManager:
         fences could not (forced, no handshakes: the job is ending), then the base
         communicator, then any shared-memory name of this generation a dead rank left."""
         errors: list[Exception] = []
-        alive = set(self.worker._alive_ranks())
+        alive = set(self.worker.alive_ranks())
         for domain, entry in list(self._entries.values()):
             members = [r for r in domain.members if r in alive]
-            outcomes = self.worker._call_ranks(members, rank_ops.force_release, domain.alloc_id)
-            failed = [v for v in outcomes.values() if isinstance(v, Exception)]
+            outcomes = self.worker.call_ranks(members, rank_ops.force_release, domain.alloc_id,
+                                              timeout=self.timeout)
+            failed = [o.error for o in outcomes.values() if o.error is not None]
             if failed:
                 errors.extend(failed)
                 continue

@@ -22,6 +22,7 @@ from phalanx.lifecycle.ledger import Entry, ResourceState
 from phalanx.rendezvous import HandshakeAbortedError, HandshakeTimeoutError, current
 
 from . import shm
+from ._errors import BaseNotReadyError
 from .rank_state import (
     BASE_OWNER,
     HEADER_SLOT,
@@ -177,7 +178,9 @@ def domain_alloc(spec: DomainSpec, timeout: float) -> None:
     members = list(spec.members)
     try:
         if not st.base_ready or st.pool_entry is None:
-            raise RuntimeError("the base communicator is not initialised on this rank")
+            raise BaseNotReadyError(f"rank {st.rank}: allocating domain {spec.name!r} (id "
+                                    f"{spec.alloc_id}) needs the base communicator, which is "
+                                    f"not initialised on this rank")
         name = segment_name(spec.generation, spec.alloc_id, st.rank)
         name_entry = st.ledger.acquiring("segment name", name, owner)
         fd = shm.create_segment(name, spec.segment_size)

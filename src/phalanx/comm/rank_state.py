@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from phalanx import runtime
 from phalanx.lifecycle.ledger import Entry, Ledger
-from phalanx.runtime import _context
 
 __all__ = ["BASE_OWNER", "DOMAIN_SLOTS", "NOTIFY_SLOTS", "SLOT_WORDS", "RankComm", "pid_alive",
            "rank_comm"]
@@ -72,7 +72,7 @@ def rank_comm() -> RankComm:
     """This rank's communication state (created on first use, lives as long as the rank)."""
     global _STATE
     if _STATE is None:
-        rank, gen = _context.current_rank(), _context.generation()
+        rank, gen = runtime.current_rank(), runtime.generation()
         if rank is None or gen is None:
             from ._errors import DomainError
 

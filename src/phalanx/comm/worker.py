@@ -51,7 +51,7 @@ class Worker(runtime.Worker):
         self.domains = DomainManager(self, domain_timeout)
         # Runs LIFO before "stop rank processes": domains and the base communicator are
         # released while the rank control channels still work.
-        self._journal.add("release domains and the base communicator", self.domains.close)
+        self.add_close_step("release domains and the base communicator", self.domains.close)
 
     def release_domain(self, domain: Domain) -> None:
         """Release ``domain`` from outside a run: revoke it, or replay the outcome of its
@@ -70,7 +70,6 @@ class Worker(runtime.Worker):
 
     def resources(self) -> dict[str, Any]:
         """Every ledger: the parent's and each live rank's (stats and event logs)."""
-        ranks = self._call_ranks(self._alive_ranks(), ledger_report, timeout=30)
+        ranks = self.call_ranks(self.alive_ranks(), ledger_report, timeout=30)
         return {"parent": self.domains.ledger.stats(),
-                "ranks": {r: (v if not isinstance(v, BaseException) else repr(v))
-                          for r, v in ranks.items()}}
+                "ranks": {r: (o.value if o.ok else repr(o.error)) for r, o in ranks.items()}}

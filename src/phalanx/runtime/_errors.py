@@ -6,7 +6,13 @@
         ├── WorkerPoisonedError    a cleanup failed or a rank died: only close() is left
         ├── RankStartError         a rank process did not become ready
         ├── RankDiedError          a rank process exited while work was outstanding
-        ├── TaskTimeoutError       a task ran past its deadline
+        │   └── RankHungError      a rank stopped (SIGSTOP) past a task deadline: treated as dead
+        ├── TaskTimeoutError       a task ran past its deadline (also a TimeoutError)
+        ├── WaitTimeoutError       a caller's own wait (result(timeout=...)) ended first
+        ├── RunSlotTimeoutError    no run slot freed in time (max_concurrent_runs)
+        ├── RunsStuckError         runs did not retire by the close deadline
+        ├── HubStuckError          the parent's IO thread did not answer in time
+        ├── ParentTimeoutError     a rank's request to the parent got no answer in time
         ├── RunClosedError         a run's orchestrator was used after its orch function returned
         ├── MessageTooLargeError   a control-channel message exceeds the size limit
         ├── RemoteTaskError        a task raised an exception that could not be sent back as is
@@ -36,19 +42,60 @@ class RankStartError(WorkerError):
 
 
 class RankDiedError(WorkerError):
-    """A rank process exited while the parent still expected it to work."""
+    """A rank process exited while the parent still expected it to work.
 
-    def __init__(self, message: str, rank: int, exitcode: int | None) -> None:
+    ``rank`` and ``pid`` name the process; ``exitcode`` is its exit status (negative: the
+    signal that killed it; None: not known, or still running for a hung rank).
+    """
+
+    def __init__(self, message: str, rank: int, exitcode: int | None,
+                 pid: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
+        self.pid = pid
 
-    def __reduce__(self) -> tuple[type[RankDiedError], tuple[str, int, int | None]]:
-        return (type(self), (str(self), self.rank, self.exitcode))
+    def __reduce__(self) -> tuple[type[RankDiedError], tuple[str, int, int | None, int | None]]:
+        return (type(self), (str(self), self.rank, self.exitcode, self.pid))
+
+
+class RankHungError(RankDiedError):
+    """A rank process is stopped (SIGSTOP, SIGTSTP, a tracer) and a task deadline passed:
+    the parent treats it as dead. ``exitcode`` is None; ``stop_signal`` says what stopped it."""
+
+    def __init__(self, message: str, rank: int, exitcode: int | None,
+                 pid: int | None = None, stop_signal: int | None = None) -> None:
+        super().__init__(message, rank, exitcode, pid)
+        self.stop_signal = stop_signal
+
+    def __reduce__(self) -> tuple[type[RankHungError],  # type: ignore[override]
+                                  tuple[str, int, int | None, int | None, int | None]]:
+        return (type(self), (str(self), self.rank, self.exitcode, self.pid, self.stop_signal))
 
 
 class TaskTimeoutError(WorkerError, TimeoutError):
     """A task did not finish before its deadline. The rank may still be running it."""
+
+
+class WaitTimeoutError(WorkerError, TimeoutError):
+    """A caller's own wait (``result(timeout=...)``) ended before the outcome was known;
+    the task or run goes on until its own deadline."""
+
+
+class RunSlotTimeoutError(WorkerError, TimeoutError):
+    """No run slot freed before the admission deadline (``max_concurrent_runs`` reached)."""
+
+
+class RunsStuckError(WorkerError, TimeoutError):
+    """Runs did not retire by the close deadline (their fences still wait on tasks)."""
+
+
+class HubStuckError(WorkerError, TimeoutError):
+    """The parent's IO thread did not stop or unregister a rank in time."""
+
+
+class ParentTimeoutError(WorkerError, TimeoutError):
+    """A rank's request to its parent (a hub-backend handshake) got no answer in time."""
 
 
 class RunClosedError(WorkerError):

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from ._errors import MessageTooLargeError
+from ._errors import HubStuckError, MessageTooLargeError
 from .channel import HEADER, Kind, check_size
 
 __all__ = ["Hub"]
@@ -98,7 +98,8 @@ class Hub:
             return
         self._call_soon(unregister)
         if not done.wait(timeout):
-            raise TimeoutError(f"phalanx hub thread did not unregister a rank within {timeout}s")
+            raise HubStuckError(f"phalanx hub thread did not unregister a rank's channel "
+                                f"(fd {sock.fileno()}) within {timeout}s")
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop = True
@@ -106,7 +107,7 @@ class Hub:
             os.write(self._wake_w, b"x")
             self._thread.join(timeout)
             if self._thread.is_alive():
-                raise TimeoutError(f"phalanx hub thread did not stop within {timeout}s")
+                raise HubStuckError(f"phalanx hub thread did not stop within {timeout}s")
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)

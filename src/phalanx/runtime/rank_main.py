@@ -31,7 +31,7 @@ from phalanx.lifecycle import CleanupError, failpoints
 from phalanx.rendezvous import current
 
 from . import _context
-from ._errors import RemoteTaskError
+from ._errors import ParentTimeoutError, RemoteTaskError
 from ._rank_points import START_BEFORE_HELLO as _START_BEFORE_HELLO
 from ._rank_points import TASK_RECEIVED as _TASK_RECEIVED
 from .channel import Kind, RankChannel, check_size
@@ -149,8 +149,8 @@ class _Rank:
         try:
             self.channel.send(Kind.RDV, rid, pickle.dumps(obj))
             if not event.wait(timeout):
-                raise TimeoutError(f"rank {self.rank}: the parent did not answer rendezvous "
-                                   f"request {rid} within {timeout:g}s")
+                raise ParentTimeoutError(f"rank {self.rank}: the parent did not answer "
+                                         f"rendezvous request {rid} within {timeout:g}s")
             return pickle.loads(slot[0])
         finally:
             with self._state_lock:
@@ -250,8 +250,8 @@ def main() -> int:
     _set_scheduler(os.environ.get("PHALANX_RANK_SCHED", "batch"))
     failpoints.set_process_rank(rank)
     _context.set_rank(rank)
-    import phalanx  # noqa: F401  (declares every failpoint so the env can arm any of them)
-
+    # The catalogue is a table in lifecycle: the env may arm any point of any layer now,
+    # before the modules that carry it are imported.
     failpoints.arm_from_env()
     _START_BEFORE_HELLO.hit()
     sock = socket.socket(fileno=int(os.environ["PHALANX_CHANNEL_FD"]))

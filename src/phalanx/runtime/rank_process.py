@@ -101,6 +101,26 @@ class RankProcess:
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid}) {describe_exit(self.proc.poll())}"
 
+    def stop_signal(self) -> int | None:
+        """The signal that stopped this process (SIGSTOP, SIGTSTP, ...), or None if it
+        runs or is gone. Asks the kernel with WNOWAIT: the state is left for others."""
+        if self.proc.returncode is not None:
+            return None
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return None  # reaped by now
+        if info is None or info.si_code != os.CLD_STOPPED:
+            return None
+        return info.si_status
+
+    def describe_stopped(self, signo: int) -> str:
+        try:
+            name = signal.Signals(signo).name
+        except ValueError:
+            name = f"signal {signo}"
+        return f"rank {self.rank} (pid {self.pid}) is stopped by {name}"
+
     def wait_exit(self, timeout: float) -> int | None:
         try:
             return self.proc.wait(timeout)

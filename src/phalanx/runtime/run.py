@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx.lifecycle import CleanupError, CleanupJournal
 
-from ._errors import RunClosedError
+from ._errors import RunClosedError, WaitTimeoutError
 from .tasks import TaskFuture
 
 if TYPE_CHECKING:
@@ -46,7 +46,10 @@ class TaskSubmitter(Protocol):
 class RunState(enum.Enum):
     QUEUED = "queued"  # admitted, waiting for a run thread
     RUNNING = "running"  # the orch function executes; it may submit tasks
-    DRAINING = "draining"  # orch returned; waiting for its tasks to finish physically
+    DRAINING = "draining"  # orch returned; waiting for its tasks' outcomes
+    ABANDONED = "abandoned"  # settled, but tasks that timed out or depend on a dead or hung
+    # rank still run in their ranks: the fence waits until they finish or close() stops
+    # those ranks (close() does not wait for such a run before it does)
     CLEANING = "cleaning"  # tasks finished; run-scoped releases execute
     RETIRED = "retired"  # the fence passed: tasks and releases are done
 
@@ -80,7 +83,11 @@ class Run:
             self.tasks.append(future)
 
     def execute(self, orch_fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-                orchestrator: Orchestrator) -> None:
+                orchestrator: Orchestrator, wait_fence: bool = True) -> None:
+        """Run the orch function and drain its tasks. With ``wait_fence`` False (the
+        caller's own thread, ``Worker.run``) a fence that still waits on tasks running
+        past their outcome continues on a thread of its own, so the caller learns the
+        outcome at once instead of waiting for close() to stop a rank."""
         with self._lock:
             self.state = RunState.RUNNING
         try:
@@ -89,7 +96,14 @@ class Run:
             self.error = exc
         with self._lock:
             self.state = RunState.DRAINING
-        self._drain()
+        if self._drain() or wait_fence:
+            self._finish()
+        else:
+            threading.Thread(target=self._finish, name=f"phalanx-run-{self.run_id}-fence",
+                             daemon=True).start()
+
+    def _finish(self) -> None:
+        self._wait_physical()
         with self._lock:
             self.state = RunState.CLEANING
         try:
@@ -104,7 +118,8 @@ class Run:
         self.retired.set()
         self.worker._run_retired(self)
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Wait for every task's outcome; True if every task also finished physically."""
         for task in self.tasks:
             task.wait_settled()
         if self.error is None:
@@ -114,12 +129,19 @@ class Run:
                 if failure is not None and not task.observed:
                     self.error = failure
                     break
-        if any(not t.finished for t in self.tasks):
-            # A task ran past its deadline: the caller learns now; the fence still waits
-            # until the rank stops running it (close() kills the rank if need be).
-            if self.error is None:
-                self.error = next(t.failure() for t in self.tasks if not t.finished)
-            self.settled.set()
+        if all(t.finished for t in self.tasks):
+            return True
+        # A task ran past its deadline or was abandoned (a rank it depends on died or
+        # hung): the caller learns now; the fence still waits until the rank stops
+        # running it (close() kills the rank if need be).
+        if self.error is None:
+            self.error = next(t.failure() for t in self.tasks if not t.finished)
+        with self._lock:
+            self.state = RunState.ABANDONED
+        self.settled.set()
+        return False
+
+    def _wait_physical(self) -> None:
         for task in self.tasks:
             while not task.wait_finished(_FENCE_REPORT_S):
                 log.warning(
@@ -195,7 +217,8 @@ class RunHandle:
     def result(self, timeout: float | None = None) -> Any:
         """The orch function's return value, or its (or a task's) exception."""
         if not self._run.settled.wait(timeout):
-            raise TimeoutError(f"run {self.run_id} ({self._run.name}) not done after {timeout}s")
+            raise WaitTimeoutError(
+                f"run {self.run_id} ({self._run.name}) not done after {timeout}s")
         if self._run.error is not None:
             raise self._run.error
         return self._run.value

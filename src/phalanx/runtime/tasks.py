@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from ._errors import TaskTimeoutError
+from ._errors import TaskTimeoutError, WaitTimeoutError
 
-__all__ = ["TaskFuture"]
+__all__ = ["Outcome", "TaskFuture"]
 
 # Guards the outcome fields of every future: critical sections are a few assignments.
 _OUTCOME = threading.Lock()
@@ -28,13 +30,21 @@ _OUTCOME = threading.Lock()
 class TaskFuture:
     """The future of one task. ``result()`` waits at most until the task's deadline."""
 
-    __slots__ = ("_done", "_error", "_expired_wait", "_finished", "_value", "control",
-                 "deadline", "name", "observed", "rank", "run_id", "task_id", "timeout")
+    __slots__ = ("_done", "_error", "_expired_wait", "_finished", "_on_expire", "_value",
+                 "control", "deadline", "group", "name", "observed", "rank", "run_id",
+                 "task_id", "timeout")
 
     def __init__(self, rank: int, task_id: int, name: str, run_id: int, timeout: float,
-                 control: bool = False) -> None:
+                 control: bool = False, group: int = 0,
+                 on_expire: Callable[[], None] | None = None) -> None:
         self.rank = rank
         self.control = control  # runtime-internal: not counted as a user task
+        # A Worker.call_ranks call's id (0: a run's task): a rank's death fails the other
+        # members of its call at once, as it fails every task of every live run.
+        self.group = group
+        # Called (outside any lock) when the deadline passes, before the TaskTimeoutError
+        # is set: the worker looks for a stopped rank to blame instead (RankHungError).
+        self._on_expire = on_expire
         self.task_id = task_id
         self.name = name
         self.run_id = run_id
@@ -83,7 +93,7 @@ class TaskFuture:
         if time.monotonic() >= self.deadline:
             self.expire()
             return
-        raise TimeoutError(
+        raise WaitTimeoutError(
             f"task {self.name} (id {self.task_id}) on rank {self.rank} not done after "
             f"{timeout}s; it keeps running until its deadline")
 
@@ -104,6 +114,8 @@ class TaskFuture:
         return event.wait(timeout)
 
     def expire(self) -> None:
+        if self._on_expire is not None and not self._done.is_set():
+            self._on_expire()  # may settle us (logically) with a RankHungError
         with _OUTCOME:
             if self._done.is_set():
                 return
@@ -111,6 +123,15 @@ class TaskFuture:
                 f"task {self.name} (id {self.task_id}) of run {self.run_id} on rank "
                 f"{self.rank} did not finish within its {self.timeout:g}s deadline; the "
                 f"rank may still be running it (close() stops the rank)")
+            self._done.set()
+
+    def abandon(self, error: BaseException) -> None:
+        """Fail the logical outcome now (a rank this task depends on died or hung); the
+        task may still run in its rank, so it is not finished: the fence still waits."""
+        with _OUTCOME:
+            if self._done.is_set():
+                return
+            self._error = error
             self._done.set()
 
     def _settle(self, value: Any, error: BaseException | None) -> None:
@@ -132,3 +153,21 @@ class TaskFuture:
     def failure(self) -> BaseException | None:
         """The logical failure if settled with one, without marking it observed."""
         return self._error if self._done.is_set() else None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one rank's part of :meth:`Worker.call_ranks` came to: a value or an error."""
+
+    value: Any = None
+    error: Exception | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def unwrap(self) -> Any:
+        """The value, or raise the error."""
+        if self.error is not None:
+            raise self.error
+        return self.value

@@ -18,7 +18,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +40,22 @@ from phalanx.rendezvous.sweep import DEFAULT_LEASE_EXPIRY_S
 
 from ._errors import (
     RankDiedError,
+    RankHungError,
     RankStartError,
     RemoteTaskError,
     RemoteTraceback,
+    RunSlotTimeoutError,
+    RunsStuckError,
     WorkerClosedError,
     WorkerPoisonedError,
 )
 from .channel import DEFAULT_MAX_MESSAGE_BYTES, Kind, check_size, encode
 from .hub import Hub
 from .rank_process import RankProcess
-from .run import Orchestrator, Run, RunHandle
+from .run import Orchestrator, Run, RunHandle, RunState
+from .services import existing_rank_services
 from .stats import WorkerStats
-from .tasks import TaskFuture
+from .tasks import Outcome, TaskFuture
 
 __all__ = ["Worker", "WorkerState"]
 
@@ -63,6 +67,11 @@ _RANKS_STOPPING = Failpoint("worker.close.stop_ranks", "close() is about to stop
 
 _EXIT_WAIT_S = 2.0  # after a channel EOF, how long to wait for the rank's exit status
 _KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap
+# At close, how long a rank running a task nobody waits for any more (past its deadline,
+# or abandoned after a rank died or hung) may take to finish it before it is killed.
+_ABANDONED_GRACE_S = 1.0
+_SERVICES_CLOSE_S = 10.0  # the close step that closes each rank's services, at most
+_MIN_CLOSE_CALL_S = 1.0  # a call made by a close step gets at least this long
 
 
 class WorkerState(enum.Enum):
@@ -132,7 +141,12 @@ class Worker:
         self._tasks: dict[int, TaskFuture] = {}
         self._runs: dict[int, Run] = {}  # admitted, not yet retired
         self._run_slots = threading.BoundedSemaphore(max_concurrent_runs)
-        self._dead: dict[int, RankDiedError] = {}
+        # Invariant: a rank is in _lost once it died or hung (no new task reaches it, it
+        # is not alive); in _exited once its exit was handled (its own futures finished).
+        self._lost: dict[int, RankDiedError] = {}
+        self._exited: set[int] = set()
+        self._call_ids = itertools.count(1)
+        self._close_prepared = False
         self._procs: dict[int, RankProcess] = {}
         self._ready: set[int] = set()  # ranks that said READY: only they can stop gracefully
         self._send_locks = {r: threading.Lock() for r in self.ranks}
@@ -167,6 +181,7 @@ class Worker:
         self._journal.add("join run threads", self._join_runs)
         self._journal.add("remove the generation directory", self._remove_generation)
         self._journal.add("stop rank processes", self._stop_ranks)
+        self._journal.add("close every live rank's services", self._close_rank_services)
         for r in self.ranks:
             proc = RankProcess(r, max_message_bytes=self.max_message_bytes,
                                failpoints=fps, env=env, scheduler=self._rank_scheduler)
@@ -195,9 +210,9 @@ class Worker:
         self._state = WorkerState.RUNNING
         # The base start-up handshake: every rank meets every other through the backend.
         left = max(1.0, deadline - time.monotonic())
-        outcomes = self._call_ranks(list(self.ranks), handshake, "start", 0, list(self.ranks),
-                                    left, timeout=left + 5)
-        failed = {r: e for r, e in outcomes.items() if isinstance(e, BaseException)}
+        outcomes = self.call_ranks(list(self.ranks), handshake, "start", 0, list(self.ranks),
+                                   left, timeout=left + 5)
+        failed = {r: o.error for r, o in outcomes.items() if o.error is not None}
         if failed:
             raise RankStartError(f"the start-up handshake failed on ranks {sorted(failed)}: "
                                  f"{failed[min(failed)]}") from failed[min(failed)]
@@ -218,6 +233,7 @@ class Worker:
             self._generation.remove()
 
     def _on_tick(self) -> None:
+        self._check_hung(expired_only=True)  # when nobody waits on the expired task
         now = time.monotonic()
         for rank, rid, missing in self._coordinator.expire(now):
             self._reply_rdv(rank, rid, missing)
@@ -274,6 +290,9 @@ class Worker:
                         self._count("tasks_succeeded")
                     return
             else:
+                # A peer's death often fails a task (a barrier notices it) before the
+                # dead rank's EOF is read: blame the death, not the symptom.
+                self._notice_exits()
                 fut.set_exception(self._decode_error(rank, fut, payload))
             if not fut.control:
                 self._count("tasks_failed")
@@ -296,32 +315,93 @@ class Worker:
         return exc
 
     def _on_eof(self, rank: int) -> None:
-        proc = self._procs[rank]
-        proc.wait_exit(_EXIT_WAIT_S)
-        self._hub_flush_stderr(proc)
+        self._rank_lost(rank)
+
+    def _notice_exits(self) -> None:
+        for p in self._procs.values():
+            if p.rank not in self._exited and p.proc.poll() is not None:
+                self._rank_lost(p.rank)
+
+    def _check_hung(self, *, expired_only: bool = False) -> None:
+        """The hung-rank rule: once a task deadline passes, a rank that is stopped (by a
+        signal) with work outstanding is treated as dead (RankHungError)."""
+        now = time.monotonic()
         with self._lock:
+            if self._state is not WorkerState.RUNNING:
+                return  # starting: the start deadline decides; closing: close() kills it
+            if expired_only and not any(f.deadline <= now for f in self._tasks.values()):
+                return
+            ranks = {f.rank for f in self._tasks.values()} - self._lost.keys()
+        for rank in sorted(ranks):
+            signo = self._procs[rank].stop_signal()
+            if signo is not None:
+                self._rank_lost(rank, stop_signal=signo)
+
+    def _rank_lost(self, rank: int, *, stop_signal: int | None = None,
+                   flush: bool = True) -> None:
+        """A rank died (``stop_signal`` None) or hung: fail what depends on it at once.
+
+        Its own outstanding tasks fail (and, if it exited, are finished); unless the
+        worker is closing, so does every outstanding task of every live run and of every
+        ``call_ranks`` call that includes it, on every rank: those are abandoned, their
+        ranks may still run them (the fence waits; close() stops those ranks). Idempotent.
+        """
+        proc = self._procs[rank]
+        if stop_signal is None:
+            proc.wait_exit(_EXIT_WAIT_S)
+            if flush:
+                self._hub_flush_stderr(proc)
+        with self._lock:
+            if (rank in self._exited) if stop_signal is None else (rank in self._lost):
+                return
             closing = self._state in (WorkerState.CLOSING, WorkerState.CLOSED)
-            why = "stopped by Worker.close()" if closing else "died"
-            err = RankDiedError(
-                f"{proc.describe()}: the rank {why} while tasks were outstanding. "
-                f"stderr tail:\n{proc.stderr_tail() or '(empty)'}",
-                rank, proc.proc.poll(),
-            )
-            self._dead[rank] = err
-            doomed = [f for f in self._tasks.values() if f.rank == rank]
-            for f in doomed:
-                del self._tasks[f.task_id]
-            if not closing and self._state is not WorkerState.STARTING and self._poison is None:
-                self._poison = f"{proc.describe()}"
-        for r, rid, missing in self._coordinator.abort_rank(rank):
-            self._reply_rdv(r, rid, missing)
-        if self._state is WorkerState.RUNNING:
-            log.error("%s; stderr tail:\n%s", proc.describe(), proc.stderr_tail())
-        for f in doomed:
+            err = self._lost_error(proc, stop_signal, closing)
+            first = rank not in self._lost
+            self._lost.setdefault(rank, err)
+            own = [f for f in self._tasks.values() if f.rank == rank]
+            groups = {f.group for f in own if f.group}
+            dependents = [] if closing or not first else [
+                f for f in self._tasks.values()
+                if f.rank != rank and (f.run_id or f.group in groups)]
+            if stop_signal is None:
+                self._exited.add(rank)
+                for f in own:
+                    del self._tasks[f.task_id]
+            else:
+                dependents += own  # a stopped rank may run them yet: abandoned, not finished
+                own = []
+            if first and not closing and self._state is not WorkerState.STARTING \
+                    and self._poison is None:
+                self._poison = str(err).partition(". stderr tail")[0]
+        if first:
+            for r, rid, missing in self._coordinator.abort_rank(rank):
+                self._reply_rdv(r, rid, missing)
+            if not closing and self._state is WorkerState.RUNNING:
+                log.error("%s", err)
+        for f in own:
             f.set_exception(err)
             if not f.control:
                 self._count("tasks_failed")
+        for f in dependents:
+            f.abandon(err)
         self._startup[rank].put((None, err))
+
+    @staticmethod
+    def _lost_error(proc: RankProcess, stop_signal: int | None,
+                    closing: bool) -> RankDiedError:
+        tail = f"stderr tail:\n{proc.stderr_tail() or '(empty)'}"
+        if stop_signal is not None:
+            return RankHungError(
+                f"{proc.describe_stopped(stop_signal)} with tasks outstanding past a task "
+                f"deadline: it is treated as dead; every task of every live run fails and "
+                f"close() kills it. {tail}", proc.rank, None, proc.pid, stop_signal)
+        if closing:
+            return RankDiedError(f"{proc.describe()}: stopped by Worker.close(). {tail}",
+                                 proc.rank, proc.proc.poll(), proc.pid)
+        return RankDiedError(
+            f"{proc.describe()}: the rank died while tasks were outstanding; every task of "
+            f"every live run fails with this error. {tail}", proc.rank, proc.proc.poll(),
+            proc.pid)
 
     def _hub_flush_stderr(self, proc: RankProcess) -> None:
         stderr = proc.proc.stderr
@@ -350,7 +430,7 @@ class Worker:
         with self._lock:
             self._check_admitting()
         if not self._run_slots.acquire(timeout=self.task_timeout):
-            raise TimeoutError(f"worker {self.generation}: no run slot freed within "
+            raise RunSlotTimeoutError(f"worker {self.generation}: no run slot freed within "
                                f"{self.task_timeout}s (max_concurrent_runs reached)")
         run = Run(next(self._run_ids), getattr(orch_fn, "__qualname__", repr(orch_fn)), self)
         with self._lock:
@@ -380,7 +460,7 @@ class Worker:
         would block anyway, and it saves a thread start and a wake-up per run.
         """
         run = self._admit(orch_fn)
-        run.execute(orch_fn, args, kwargs, self.orchestrator_class(run))
+        run.execute(orch_fn, args, kwargs, self.orchestrator_class(run), wait_fence=False)
         return RunHandle(run).result()
 
     def _run_retired(self, run: Run) -> None:
@@ -393,35 +473,61 @@ class Worker:
             self._runs.pop(run.run_id, None)
         self._run_slots.release()
 
-    def _call_ranks(self, ranks: list[int], fn: Callable[..., Any], *args: Any,
-                    timeout: float | None = None) -> dict[int, Any]:
-        """Run a runtime-internal step on ``ranks`` outside any run (releases at a fence,
-        close-time cleanup); returns rank -> value, or rank -> the exception it raised."""
-        futures = {r: self._submit_task(None, r, fn, args, {}, timeout, control=True)
-                   for r in ranks}
-        out: dict[int, Any] = {}
+    # -- seams for the layers above (comm, replication) -----------------------------
+    def call_ranks(self, ranks: Sequence[int], fn: Callable[..., Any], *args: Any,
+                   timeout: float | None = None, **kwargs: Any) -> dict[int, Outcome]:
+        """Run ``fn(*args, **kwargs)`` on each of ``ranks`` outside any run and wait for
+        every rank's :class:`Outcome` (its value, or the exception it raised).
+
+        For runtime-internal steps of the layers above: physical releases at a fence,
+        close steps, one-off calls. ``timeout`` (default ``task_timeout``) bounds each
+        rank's part; while the worker closes it is cut to what the close deadline leaves
+        (at least ``_MIN_CLOSE_CALL_S``). A rank that dies or hangs fails every other
+        rank's part of the call at once, with its RankDiedError.
+        """
+        if self._state is WorkerState.CLOSING:
+            left = getattr(self, "_close_deadline", 0.0) - time.monotonic()
+            cap = max(_MIN_CLOSE_CALL_S, left)
+            timeout = cap if timeout is None else min(timeout, cap)
+        group = next(self._call_ids)
+        futures = {r: self._submit_task(None, r, fn, args, kwargs, timeout, control=True,
+                                        group=group) for r in ranks}
+        out: dict[int, Outcome] = {}
         for r, f in futures.items():
             try:
-                out[r] = f.result()
+                out[r] = Outcome(value=f.result())
             except Exception as exc:  # noqa: BLE001  returned per rank, the caller decides
-                out[r] = exc
+                out[r] = Outcome(error=exc)
         return out
+
+    def alive_ranks(self) -> list[int]:
+        """Ranks that have neither died nor hung (close steps address only these)."""
+        with self._lock:
+            return [r for r in self.ranks if r not in self._lost]
+
+    def add_close_step(self, name: str, step: Callable[[], None]) -> None:
+        """Add ``step`` to this worker's close journal. Steps run last-in first-out, so a
+        step added after the worker started runs before the ranks are stopped (their
+        control channels still work, see :meth:`call_ranks`); a failed step is reported in
+        close()'s CleanupError and stays owed, and the next close() retries only it."""
+        self._journal.add(name, step)
 
     def _submit_task(self, run: Run | None, rank: int, fn: Callable[..., Any],
                      args: tuple[Any, ...],
                      kwargs: dict[str, Any], timeout: float | None,
-                     control: bool = False) -> TaskFuture:
+                     control: bool = False, group: int = 0) -> TaskFuture:
         if rank not in self._send_locks:
             raise ValueError(f"rank {rank} is not a rank of this worker (ranks {self.ranks})")
         name = getattr(fn, "__qualname__", type(fn).__name__)
         payload = _encode_task(fn, args, kwargs)
         check_size(len(payload), self.max_message_bytes, f"task {name} for rank {rank}")
         fut = TaskFuture(rank, next(self._ids), name, 0 if run is None else run.run_id,
-                         self.task_timeout if timeout is None else timeout, control)
+                         self.task_timeout if timeout is None else timeout, control, group,
+                         self._check_hung)
         if run is not None:
             run.add_task(fut)
         with self._lock:
-            dead = self._dead.get(rank)
+            dead = self._lost.get(rank)
             if dead is None:
                 self._tasks[fut.task_id] = fut
             if not control:
@@ -436,15 +542,11 @@ class Worker:
             # never run (close() unregisters stopped ranks): fail it here either way.
             with self._lock:
                 self._tasks.pop(fut.task_id, None)
-                cause = self._dead.get(rank)
+                cause = self._lost.get(rank)
             fut.set_exception(cause or RankDiedError(
-                f"rank {rank}: its control channel is closed ({err.strerror}); the rank is "
-                f"gone", rank, None))
+                f"rank {rank} (pid {self._procs[rank].pid}): its control channel is closed "
+                f"({err.strerror}); the rank is gone", rank, None, self._procs[rank].pid))
         return fut
-
-    def _alive_ranks(self) -> list[int]:
-        with self._lock:
-            return [r for r in self.ranks if r not in self._dead]
 
     def _send(self, rank: int, kind: Kind, msg_id: int, payload: bytes) -> None:
         frame = encode(kind, msg_id, payload)
@@ -512,46 +614,98 @@ class Worker:
         self._close_deadline = time.monotonic() + (self.close_timeout if timeout is None
                                                    else timeout)
         for run in list(self._runs.values()):
-            run.retired.wait(max(0.0, self._close_deadline - time.monotonic()))
+            # A run that settled with tasks still running (abandoned, or past their
+            # deadline) cannot retire until its ranks stop: the first step sees to it.
+            if run.settled.wait(self._close_left()) and run.state is RunState.ABANDONED:
+                continue
+            run.retired.wait(self._close_left())
+        if not self._close_prepared:  # added last, so it runs first
+            self._journal.add("stop ranks that run abandoned tasks", self._stop_abandoned)
+            self._close_prepared = True
         self._journal.run()
         self._state = WorkerState.CLOSED
+
+    def _close_left(self) -> float:
+        deadline = getattr(self, "_close_deadline", time.monotonic() + self.close_timeout)
+        return max(0.0, deadline - time.monotonic())
+
+    def _stop_abandoned(self) -> None:
+        """Close's first step: a rank still running a task whose outcome is decided (past
+        its deadline, or abandoned because a rank it depends on died or hung), or a
+        stopped rank, gets a short grace to finish; then it is killed and reaped. Such a
+        task may be using the domains and services the next steps release, and nothing
+        else would ever stop it; a stopped rank cannot even take a close step."""
+        grace_end = time.monotonic() + min(_ABANDONED_GRACE_S, self._close_left())
+        with self._lock:
+            stray = [f for f in self._tasks.values() if f.done()]
+        for f in stray:
+            f.wait_finished(max(0.0, grace_end - time.monotonic()))
+        with self._lock:
+            doomed = {f.rank for f in self._tasks.values() if f.done()}
+        doomed |= {r for r, p in self._procs.items()
+                   if r not in self._exited and p.stop_signal() is not None}
+        for r in sorted(doomed):
+            log.warning("%s runs abandoned tasks or is stopped at close: killing it",
+                        self._procs[r].describe())
+            self._procs[r].kill()
+        self._reap(sorted(doomed))
+        for run in list(self._runs.values()):
+            if run.state is RunState.ABANDONED:
+                run.retired.wait(self._close_left())  # its fence can pass now
+
+    def _reap(self, ranks: list[int]) -> None:
+        """Wait for killed ranks to exit, then fail and finish their outstanding tasks."""
+        stuck = [self._procs[r].describe() for r in ranks
+                 if self._procs[r].wait_exit(_KILL_WAIT_S) is None]
+        for r in ranks:
+            if self._procs[r].proc.poll() is not None:
+                self._rank_lost(r, flush=False)
+        if stuck:
+            raise RankDiedError(f"could not reap {', '.join(stuck)} within {_KILL_WAIT_S:g}s "
+                                f"of SIGKILL", -1, None)
+
+    def _close_rank_services(self) -> None:
+        """Ask every live rank to close its rank services (phalanx.runtime.rank_services)
+        before the ranks stop, so a failure is reported here rather than lost in a rank's
+        log at its exit."""
+        outcomes = self.call_ranks(self.alive_ranks(), _close_services_here,
+                                   timeout=_SERVICES_CLOSE_S)
+        failures = {r: o.error for r, o in outcomes.items() if o.error is not None}
+        for r, exc in failures.items():
+            exc.add_note(f"closing the rank services of rank {r} (pid {self._procs[r].pid})")
+        if failures:
+            raise CleanupError(
+                f"worker {self.generation}: rank services failed to close on ranks "
+                f"{sorted(failures)}", list(failures.values()))
 
     def _stop_ranks(self) -> None:
         _RANKS_STOPPING.hit()
         live = [p for p in self._procs.values() if p.proc.poll() is None]
         for p in live:
-            if p.rank not in self._ready:
-                p.kill()  # never served: nothing to finish gracefully
+            if p.rank not in self._ready or p.stop_signal() is not None:
+                p.kill()  # never served, or stopped: nothing can finish gracefully
                 continue
             try:
                 self._send(p.rank, Kind.SHUTDOWN, 0, b"")
             except OSError:
                 pass  # already gone; reaped below
-        deadline = getattr(self, "_close_deadline", time.monotonic() + self.close_timeout)
-        stuck: list[str] = []
         for p in live:
-            if p.wait_exit(max(0.0, deadline - time.monotonic())) is None:
+            if p.wait_exit(self._close_left()) is None:
                 log.warning("%s did not stop by the close deadline: killing it", p.describe())
                 p.kill()
-                if p.wait_exit(_KILL_WAIT_S) is None:
-                    stuck.append(p.describe())
-        if stuck:
-            raise RankDiedError(f"could not reap {', '.join(stuck)} after SIGKILL", -1, None)
+        self._reap([p.rank for p in self._procs.values()])
         for p in self._procs.values():
             self._hub.remove(p.sock, p.proc.stderr)
             p.close_fds()
-            with self._lock:
-                self._dead.setdefault(p.rank, RankDiedError(
-                    f"{p.describe()}: stopped by Worker.close()", p.rank, p.proc.poll()))
 
     def _join_runs(self) -> None:
-        deadline = getattr(self, "_close_deadline", time.monotonic() + self.close_timeout)
         stuck = []
         for run in list(self._runs.values()):
-            if not run.retired.wait(max(0.0, deadline - time.monotonic())):
+            if not run.retired.wait(self._close_left()):
                 stuck.append(f"run {run.run_id} ({run.name}, {run.state.value})")
         if stuck:
-            raise TimeoutError(f"runs did not retire by the close deadline: {', '.join(stuck)}")
+            raise RunsStuckError(f"worker {self.generation}: runs did not retire by the close "
+                                 f"deadline: {', '.join(stuck)}")
 
     def __enter__(self) -> Worker:
         return self
@@ -575,6 +729,13 @@ def _encode_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             pass
     blob: bytes = cloudpickle.dumps((fn, args, kwargs))
     return blob
+
+
+def _close_services_here() -> None:
+    """Runs in a rank: close its rank services, if it made any."""
+    registry = existing_rank_services()
+    if registry is not None:
+        registry.close_all()
 
 
 def _arm_in_ranks(o: Orchestrator, ranks: list[int], name: str | None, spec: str | None) -> None:
