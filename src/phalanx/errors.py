@@ -23,7 +23,13 @@ cross a process boundary keep their type and fields (rank, point, missing ranks)
     │   ├── WorkerPoisonedError           a cleanup failed or a rank died: only close() is left
     │   ├── RankStartError                a rank process did not become ready
     │   ├── RankDiedError                 a rank process exited while work was outstanding
+    │   │   └── RankHungError             a rank is stopped (SIGSTOP) past a task deadline
     │   ├── TaskTimeoutError              a task ran past its deadline (TimeoutError)
+    │   ├── WaitTimeoutError              a caller's own wait ended first (TimeoutError)
+    │   ├── RunSlotTimeoutError           no run slot freed before admission's deadline (Timeout)
+    │   ├── RunsStuckError                runs did not retire by the close deadline (Timeout)
+    │   ├── HubStuckError                 the parent's IO thread did not stop a rank in time
+    │   ├── ParentTimeoutError            a rank's request to its parent got no answer (Timeout)
     │   ├── RunClosedError                a run's orchestrator was used after its function returned
     │   ├── MessageTooLargeError          a control-channel message is over the limit (ValueError)
     │   ├── RemoteTaskError               a task's exception that could not cross as is
@@ -33,6 +39,7 @@ cross a process boundary keep their type and fields (rank, point, missing ranks)
     │   ├── DomainSpecError               a bad name, member list, size or layout (ValueError)
     │   ├── DomainAllocationError         allocation failed on some ranks; all rolled back
     │   ├── DomainReleasedError           a released (revoked) domain was used
+    │   ├── BaseNotReadyError             a domain step on a rank without its base communicator
     │   └── CollectiveError               a barrier or collective did not complete (TimeoutError)
     ├── CacheError                        (kvstore: one rank's prefix store)
     │   ├── StoreLockedError              another live process holds the directory's lock
@@ -67,6 +74,7 @@ This module is the one place allowed to import the layers' private ``_errors`` m
 from __future__ import annotations
 
 from phalanx.comm._errors import (
+    BaseNotReadyError,
     CollectiveError,
     DomainAllocationError,
     DomainError,
@@ -122,20 +130,27 @@ from phalanx.replication._errors import (
     ReplicationError,
 )
 from phalanx.runtime._errors import (
+    HubStuckError,
     MessageTooLargeError,
+    ParentTimeoutError,
     RankDiedError,
+    RankHungError,
     RankStartError,
     RemoteTaskError,
     RunClosedError,
+    RunSlotTimeoutError,
+    RunsStuckError,
     ServiceExistsError,
     ServiceNotFoundError,
     TaskTimeoutError,
+    WaitTimeoutError,
     WorkerClosedError,
     WorkerError,
     WorkerPoisonedError,
 )
 
 __all__ = [
+    "BaseNotReadyError",
     "CacheError",
     "CapacityError",
     "CheckpointError",
@@ -155,6 +170,7 @@ __all__ = [
     "HandshakeAbortedError",
     "HandshakeError",
     "HandshakeTimeoutError",
+    "HubStuckError",
     "LinkAuthError",
     "LinkClosedError",
     "LinkProtocolError",
@@ -162,9 +178,11 @@ __all__ = [
     "MessageTooLargeError",
     "ModelConfigError",
     "NotCachedError",
+    "ParentTimeoutError",
     "PeerJobError",
     "PhalanxError",
     "RankDiedError",
+    "RankHungError",
     "RankStartError",
     "RecordCorruptError",
     "RemoteTaskError",
@@ -177,6 +195,8 @@ __all__ = [
     "ResourceUncertainError",
     "RowSpanError",
     "RunClosedError",
+    "RunSlotTimeoutError",
+    "RunsStuckError",
     "SamplingParamsError",
     "SchedulerError",
     "ServiceExistsError",
@@ -187,6 +207,7 @@ __all__ = [
     "TaskTimeoutError",
     "TokenMismatchError",
     "UnsafeRuntimeDirError",
+    "WaitTimeoutError",
     "WorkerClosedError",
     "WorkerError",
     "WorkerPoisonedError",

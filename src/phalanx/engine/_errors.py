@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from ..lifecycle._errors import PhalanxError
+from phalanx.lifecycle import PhalanxError
 
 __all__ = [
     "CheckpointError",

@@ -20,7 +20,7 @@ and what the caller can do about it.
 
 from __future__ import annotations
 
-from phalanx.lifecycle._errors import PhalanxError
+from phalanx.lifecycle import PhalanxError
 
 __all__ = [
     "CacheError",
