@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from phalanx.kvstore import DiskStore, Geometry
+from phalanx.kvstore import DiskStore, Geometry, StoreOptions
 from phalanx.kvstore.files import STAGING_DIR
 from phalanx.kvstore.keys import KeyChain
 from phalanx.lifecycle import failpoints
@@ -97,9 +97,13 @@ class Stores:
         self.opened: list[DiskStore] = []
 
     def open(self, directory: Path | str, **kw: Any) -> DiskStore:
+        """A store of ``GEOM`` and ``FP``; ``kw`` are StoreOptions fields (capacity 1 GiB
+        and no progress logging unless given) and DiskStore's hooks (clock, on_job)."""
+        geometry, fingerprint = kw.pop("geometry", GEOM), kw.pop("fingerprint", FP)
+        hooks = {k: kw.pop(k) for k in ("clock", "on_job") if k in kw}
         kw.setdefault("capacity_bytes", 1 << 30)
         kw.setdefault("progress", False)
-        store = DiskStore(directory, kw.pop("geometry", GEOM), kw.pop("fingerprint", FP), **kw)
+        store = DiskStore(directory, geometry, fingerprint, StoreOptions(**kw), **hooks)
         self.opened.append(store)
         return store
 

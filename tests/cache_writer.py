@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np
 
 from cache_util import FP, GEOM, page_row
-from phalanx.kvstore import DiskStore
+from phalanx.kvstore import DiskStore, StoreOptions
 from phalanx.lifecycle import failpoints
 
 CAPACITY = 48 * 1024
@@ -38,8 +38,8 @@ def prefixes(seed: int, n: int) -> list[np.ndarray]:
 def main(directory: str, seed: int, n: int) -> None:
     failpoints.arm_from_env()
     rng = np.random.default_rng(seed + 1)
-    with DiskStore(directory, GEOM, FP, capacity_bytes=CAPACITY, progress=False,
-                   max_jobs_per_poll=4) as store:
+    opts = StoreOptions(capacity_bytes=CAPACITY, progress=False, max_jobs_per_poll=4)
+    with DiskStore(directory, GEOM, FP, opts) as store:
         print("ready", flush=True)
         for toks in prefixes(seed, n):
             cached = store.lookup(toks)

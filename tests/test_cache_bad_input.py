@@ -49,8 +49,8 @@ def test_directory_locked_by_another_live_process(tmp_path: Path, stores: Stores
             import sys
             sys.path.insert(0, {str(Path(__file__).parent)!r})
             from cache_util import GEOM, FP
-            from phalanx.kvstore import DiskStore
-            with DiskStore({str(tmp_path)!r}, GEOM, FP, 1 << 20, progress=False):
+            from phalanx.kvstore import DiskStore, StoreOptions
+            with DiskStore({str(tmp_path)!r}, GEOM, FP, StoreOptions(1 << 20, progress=False)):
                 print("open", flush=True)
                 sys.stdin.readline()
         """)],
@@ -216,9 +216,9 @@ def test_full_disk_fails_the_store_cleanly_and_keeps_serving(tmp_path: Path) -> 
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import numpy as np
         from cache_util import GEOM, FP, page_row, temp_files
-        from phalanx.kvstore import DiskStore, DiskFullError
+        from phalanx.kvstore import DiskFullError, DiskStore, StoreOptions
         d = {str(d)!r}
-        with DiskStore(d, GEOM, FP, 1 << 30, progress=False) as s:
+        with DiskStore(d, GEOM, FP, StoreOptions(1 << 30, progress=False)) as s:
             stored = []
             for i in range(100_000):
                 toks = np.arange(i * 1000, i * 1000 + 64 * GEOM.page_tokens)

@@ -191,5 +191,5 @@ def test_lru_bookkeeping_stays_bounded_when_nothing_is_evicted(tmp_path: Path,
         t = prompts[i % 10]
         assert s.lookup(t) == 2
     s.load_many([(t, 2) for t in prompts])
-    assert len(s._index._lru) <= 2 * 10 + 1024 + 1
+    assert len(s._core.index._lru) <= 2 * 10 + 1024 + 1
     assert s.statistics().evictions == 0 and s.check() == []

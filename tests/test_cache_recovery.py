@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cache_util import FP, GEOM, Built, Clock, Stores, build_tree, page_row, record_files, stores
-from phalanx.kvstore import DiskStore, Job
+from phalanx.kvstore import DiskStore, Job, StoreOptions
 
 __all__ = ["stores"]
 
@@ -30,7 +30,8 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, B
     for name, (n, branchy) in TREES.items():
         for rows in ("suffix", "overlap"):
             d = tmp_path_factory.mktemp(f"{name}-{rows}")
-            s = DiskStore(d, GEOM, FP, capacity_bytes=1 << 34, clock=Clock(), progress=False)
+            s = DiskStore(d, GEOM, FP, StoreOptions(capacity_bytes=1 << 34, progress=False),
+                          clock=Clock())
             try:
                 built = build_tree(s, n, branchy=branchy, full_rows=rows == "overlap",
                                    seed=n, max_span=16)

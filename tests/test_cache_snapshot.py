@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from cache_util import FP, GEOM, Built, Clock, Stores, build_tree, page_row, record_files, stores
-from phalanx.kvstore import DiskStore, RecordCorruptError, fingerprint_digest
+from phalanx.kvstore import DiskStore, RecordCorruptError, StoreOptions, fingerprint_digest
 from phalanx.kvstore.index import Index
 from phalanx.kvstore.record import record_name
 from phalanx.kvstore.recovery import build_index, recover, scan
@@ -55,7 +55,8 @@ def _expect(s: DiskStore, built: Built) -> None:
 
 
 def _written(d: Path, n: int = 150, full_rows: bool = True) -> Built:
-    s = DiskStore(d, GEOM, FP, capacity_bytes=1 << 30, clock=Clock(), progress=False)
+    s = DiskStore(d, GEOM, FP, StoreOptions(capacity_bytes=1 << 30, progress=False),
+                  clock=Clock())
     try:
         built = build_tree(s, n, branchy=True, full_rows=full_rows, seed=n, max_new_pages=3)
         while s.poll():  # thin what overlapping rows made redundant
@@ -78,7 +79,7 @@ def test_snapshot_written_at_close_sealed_and_used(tmp_path: Path, stores: Store
     assert res.snapshot == "used"
     assert res.from_snapshot == len(res.columns) == len(record_files(tmp_path))
     s = stores.open(tmp_path, clock=Clock())
-    assert _view(s._index) == _from_headers(tmp_path)
+    assert _view(s._core.index) == _from_headers(tmp_path)
     assert s.check() == []
     _expect(s, built)
     # a clean reopen leaves the snapshot alone and seals it again; a store rewrites it
@@ -130,7 +131,7 @@ def test_stale_snapshot_entries_are_read_again(tmp_path: Path, stores: Stores) -
     assert res.snapshot == "used"
     assert 0 < res.from_snapshot < len(res.columns)  # some entries held, some read again
     s = stores.open(tmp_path, clock=Clock())
-    assert _view(s._index) == _from_headers(tmp_path)
+    assert _view(s._core.index) == _from_headers(tmp_path)
     assert s.check() == []
     _expect(s, built)
     _expect(s, more)
@@ -159,7 +160,7 @@ def test_file_changed_in_place_is_not_trusted_unsealed(tmp_path: Path, stores: S
     assert res.from_snapshot == len(res.columns) == len(record_files(tmp_path)) - 1
     s = stores.open(tmp_path, clock=Clock())
     assert s.statistics().skipped == {"checksum": 1}
-    assert _view(s._index) == _from_headers(tmp_path)
+    assert _view(s._core.index) == _from_headers(tmp_path)
 
 
 def test_file_changed_in_place_under_a_seal_is_never_served(tmp_path: Path,
@@ -198,7 +199,7 @@ def test_corrupt_or_foreign_snapshot_is_ignored(tmp_path: Path, stores: Stores) 
         assert res.snapshot == "ignored" and res.from_snapshot == 0
         assert len(res.columns) == len(record_files(tmp_path))
         s = stores.open(tmp_path, clock=Clock())
-        assert _view(s._index) == _from_headers(tmp_path)
+        assert _view(s._core.index) == _from_headers(tmp_path)
         _expect(s, built)
         s.close()  # the store rewrites a good snapshot
         assert recover(str(tmp_path), GEOM, FPD, progress=False).snapshot == "sealed"
@@ -228,11 +229,11 @@ import sys, time
 sys.path.insert(0, sys.argv[3])
 import numpy as np
 from cache_util import FP, GEOM, page_row
-from phalanx.kvstore import DiskStore
+from phalanx.kvstore import DiskStore, StoreOptions
 rng = np.random.default_rng(int(sys.argv[2]))
 PT = GEOM.page_tokens
-with DiskStore(sys.argv[1], GEOM, FP, capacity_bytes=64 * 1024, progress=False,
-               max_jobs_per_poll=4) as s:
+with DiskStore(sys.argv[1], GEOM, FP, StoreOptions(capacity_bytes=64 * 1024, progress=False,
+                                                   max_jobs_per_poll=4)) as s:
     print("ready", flush=True)
     for i in range(400):
         roots = np.random.default_rng(0).integers(0, 1000, (5, 2 * PT))
@@ -264,10 +265,10 @@ def test_kill9_between_data_and_snapshot_recovers_exactly(tmp_path: Path) -> Non
         assert rc in (0, -signal.SIGKILL)
         killed += rc != 0
         expect = _from_headers(tmp_path)
-        s = DiskStore(tmp_path, GEOM, FP, capacity_bytes=64 * 1024, progress=False)
+        s = DiskStore(tmp_path, GEOM, FP, StoreOptions(capacity_bytes=64 * 1024, progress=False))
         try:
             assert s.statistics().skipped == {}
-            assert _view(s._index) == expect  # the snapshot never changes what is recovered
+            assert _view(s._core.index) == expect  # the snapshot never changes what is recovered
             while s.poll():
                 pass
             assert s.check() == []

@@ -18,6 +18,7 @@ from phalanx.kvstore import (
     NotCachedError,
     RecordCorruptError,
     RowSpanError,
+    StoreOptions,
     fingerprint_digest,
     page_keys,
 )
@@ -128,12 +129,12 @@ def test_load_many_matches_single_loads_and_is_all_or_nothing(tmp_path: Path, st
     assert s.statistics().loads == loads
     # a record edited by someone else: the batch fails once, after every other read; the
     # record is dropped and a retry after lookups serves the rest
-    victim = next(r for r in s._index.records.values() if not r.thinned)
+    victim = next(r for r in s._core.index.records.values() if not r.thinned)
     path = tmp_path / f"{victim.key.hex()}.kv"
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF
     path.write_bytes(raw)
-    for r in s._index.records.values():
+    for r in s._core.index.records.values():
         r.verified = False  # as after a restart: the next loads check CRCs
     with pytest.raises(RecordCorruptError):
         s.load_many(reqs)
@@ -243,8 +244,8 @@ def test_large_rows_load_in_parts_and_a_short_file_is_caught(tmp_path: Path,
     toks = [np.arange(pages * 64) + i * 10**6 for i in range(3)]
     rows = [np.random.default_rng(i).integers(0, 255, pages * geom.page_bytes,
                                               dtype=np.uint8) for i in range(3)]
-    with DiskStore(tmp_path, geom, FP, capacity_bytes=1 << 30, progress=False,
-                   load_threads=3, map_reads=map_reads) as s:
+    with DiskStore(tmp_path, geom, FP, StoreOptions(capacity_bytes=1 << 30, progress=False,
+                                                    io_threads=3, map_reads=map_reads)) as s:
         for t, r in zip(toks, rows, strict=True):
             s.store(t, r)
         assert bytes(s.load(toks[0], pages)) == rows[0].tobytes()
@@ -256,8 +257,8 @@ def test_large_rows_load_in_parts_and_a_short_file_is_caught(tmp_path: Path,
         victim = tmp_path / f"{s.chain(toks[2]).keys[-1].hex()}.kv"
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size - geom.page_bytes // 2)
-    with DiskStore(tmp_path, geom, FP, capacity_bytes=1 << 30, progress=False,
-                   map_reads=map_reads) as s:
+    with DiskStore(tmp_path, geom, FP, StoreOptions(capacity_bytes=1 << 30, progress=False,
+                                                    map_reads=map_reads)) as s:
         assert s.lookup(toks[2]) == pages  # trusted under the seal...
         with pytest.raises(RecordCorruptError, match="shorter"):
             s.load(toks[2], pages)  # ...refused before the mapping
@@ -330,7 +331,7 @@ def test_load_many_catches_a_kept_file_cut_short_under_it(tmp_path: Path, stores
     s = stores.open(tmp_path, io_uring=io_uring)
     toks = [np.arange(i * 100, i * 100 + 2 * PT) for i in range(8)]
     s.store_many([(t, page_row(t)) for t in toks])  # written here: verified, kept open
-    victim = s._index.records[page_keys(toks[3], PT, fingerprint_digest(FP))[-1]]
+    victim = s._core.index.records[page_keys(toks[3], PT, fingerprint_digest(FP))[-1]]
     assert victim.verified
     os.truncate(tmp_path / f"{victim.key.hex()}.kv", victim.file_len - 1)
     with pytest.raises(RecordCorruptError, match=victim.key.hex()):

@@ -38,7 +38,7 @@ def tree_rows(n: int, seed: int) -> list[tuple[np.ndarray, int]]:
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_store_many_serves_what_single_stores_would(tmp_path: Path, stores: Stores,
                                                     threads: int) -> None:
-    s = stores.open(tmp_path, clock=Clock(), load_threads=threads)
+    s = stores.open(tmp_path, clock=Clock(), io_threads=threads)
     rows = tree_rows(80, seed=threads)
     items = [(t, page_row(t[start * PT :])) for t, start in rows]
     results = []
@@ -83,7 +83,7 @@ def test_store_many_refuses_bad_input_before_writing(tmp_path: Path, stores: Sto
 
 
 def test_a_failed_write_keeps_the_rest_of_the_batch(tmp_path: Path, stores: Stores) -> None:
-    s = stores.open(tmp_path, load_threads=1)  # one thread: the rows are written in order
+    s = stores.open(tmp_path, io_threads=1)  # one thread: the rows are written in order
     a = np.arange(2 * PT)
     b = np.concatenate([a, np.arange(100, 100 + PT)])
     c = np.arange(200, 200 + PT)
@@ -150,42 +150,64 @@ def test_rows_needing_pages_another_call_is_writing_wait_for_a_later_batch(
 
 def test_an_interrupt_mid_batch_waits_for_the_writes_under_way(tmp_path: Path) -> None:
     """Ctrl-C while the I/O threads write: whatever got written is indexed, nothing is
-    left reserved or open, and the directory holds exactly what the index says."""
+    left reserved or open, and the directory holds exactly what the index says.
+
+    No timer races the store: both threads' first writes are slowed at a failpoint, and
+    the interrupt is sent once it has fired twice, so two writes are provably under way
+    (the caller's own, or the one it then waits for). A trial whose interrupt came after
+    the batch finished (a watcher starved for the whole delay) tests nothing, and
+    another runs instead."""
     script = textwrap.dedent(f"""
-        import os, signal, sys, threading
+        import os, signal, sys, threading, time
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import numpy as np
         from cache_util import GEOM, FP, page_row
-        from phalanx.kvstore import DiskStore
+        from phalanx.kvstore import DiskStore, StoreOptions
         from phalanx.lifecycle import failpoints
+        POINT = "cache.store.temp_written"
+
+        def interrupt_once_two_writes_are_under_way():
+            deadline = time.monotonic() + 60
+            while failpoints.fired(POINT) < 2:
+                if time.monotonic() > deadline:
+                    os._exit(3)  # the writes never reached the failpoint
+                time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGINT)
+
         fds = set(os.listdir("/proc/self/fd"))
-        stored = 0
-        for trial in range(4):  # the interrupt lands in a write or in the wait for one
+        stored = interrupted = 0
+        for trial in range(12):
+            if interrupted == 4:
+                break
             d = os.path.join({str(tmp_path)!r}, str(trial))
-            s = DiskStore(d, GEOM, FP, 1 << 30, progress=False, load_threads=2)
+            s = DiskStore(d, GEOM, FP, StoreOptions(1 << 30, progress=False, io_threads=2))
             rows = [np.arange(i * 1000, i * 1000 + 2 * GEOM.page_tokens) for i in range(6)]
-            failpoints.arm("cache.store.temp_written", "delay:0.6@5")  # the last is slow
-            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+            failpoints.arm(POINT, "delay:1*2")  # each thread's first write is slow
+            watcher = threading.Thread(target=interrupt_once_two_writes_are_under_way)
+            watcher.start()
+            finished = False
             try:
                 s.store_many([(t, page_row(t)) for t in rows])
+                finished = True
+                watcher.join()  # a late interrupt lands here
             except KeyboardInterrupt:
-                pass
-            else:
-                raise SystemExit("no interrupt")
+                interrupted += not finished
+                watcher.join()
             failpoints.disarm_all()
             assert s.check() == [], s.check()
-            assert s._reserved == 0 and not s._inflight
+            assert s._core.reserved == 0 and not s._core.inflight
             done = [t for t in rows if s.lookup(t) == 2]
             assert all(bytes(s.load(t, 2)) == page_row(t) for t in done)
             stored += len(done)
             s.close()
+        assert interrupted == 4, interrupted
         left = set(os.listdir("/proc/self/fd")) - fds
         assert not [os.readlink(f"/proc/self/fd/{{f}}") for f in left
                     if os.path.exists(f"/proc/self/fd/{{f}}")], left
         print("ok", stored, flush=True)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok ")
 
@@ -240,7 +262,7 @@ def test_a_prefix_stored_again_before_its_bad_file_is_moved_aside_keeps_its_file
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF  # bit rot
     path.write_bytes(raw)
-    s._index.records[key].verified = False  # as after a restart: the load checks CRCs
+    s._core.index.records[key].verified = False  # as after a restart: the load checks CRCs
     with pytest.raises(RecordCorruptError):
         s.load(toks, 3)
     assert s.store(toks, page_row(toks)).stored  # recomputed and stored again at once

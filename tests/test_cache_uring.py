@@ -1,4 +1,4 @@
-"""The io_uring reader (cache/uring.py) on real files, pipes and descriptors, and the
+"""The io_uring reader (kvstore/uring.py, opt-in) on real files, pipes and descriptors, and the
 store's fallback to threads where the kernel offers no io_uring."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from cache_util import GEOM, PB, Stores, page_row, stores
 from phalanx.kvstore import StoreClosedError
 from phalanx.kvstore.buffers import aligned_empty
-from phalanx.kvstore.uring import SQE_MAX_BYTES, Ring, Rings
+from phalanx.kvstore.uring import SQE_MAX_BYTES, Ring, Rings, unsupported_reason
 from phalanx.lifecycle import FailpointError
 from phalanx.lifecycle.failpoints import arm, disarm_all
 
@@ -129,7 +129,7 @@ def test_rings_read_a_batch_in_parts_and_a_part_without_a_free_ring_reads_nothin
 def test_the_store_reads_with_threads_where_the_kernel_refuses_io_uring(
         tmp_path: Path, stores: Stores) -> None:
     arm("cache.uring.setup", "errno:38")  # ENOSYS, as under a seccomp profile
-    s = stores.open(tmp_path)
+    s = stores.open(tmp_path, io_uring=True)
     assert not s.io_uring
     toks = [np.arange(i * 100, i * 100 + 3 * PT) for i in range(20)]
     s.store_many([(t, page_row(t)) for t in toks])
@@ -137,6 +137,16 @@ def test_the_store_reads_with_threads_where_the_kernel_refuses_io_uring(
     assert [bytes(g) for g in got] == [page_row(t) for t in toks]
     st = s.statistics()
     assert st.io_uring_loaded_bytes == 0 and st.loaded_bytes == 20 * 3 * PB
+
+
+def test_io_uring_is_opt_in_and_x86_64_only(tmp_path: Path, stores: Stores) -> None:
+    """Off unless asked for; refused (the threads read) where the ring's unfenced index
+    reads are not safe: every architecture but x86-64 (see uring.py)."""
+    assert not stores.open(tmp_path / "default").io_uring
+    assert unsupported_reason("x86_64") is None
+    for machine in ("aarch64", "ppc64le", "riscv64", "s390x", ""):
+        why = unsupported_reason(machine)
+        assert why is not None and "x86-64 only" in why and "memory barriers" in why
 
 
 def _until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
@@ -151,7 +161,7 @@ def test_loads_racing_each_other_and_close_serve_right_bytes_or_refuse(
     """Batches at once share the rings (a part without a free ring goes to threads); a
     batch planned before close() finishes (on threads: the rings are closed); a batch
     after it is refused."""
-    s = stores.open(tmp_path)
+    s = stores.open(tmp_path, io_uring=True)
     toks = [np.arange(i * 100, i * 100 + 2 * PT) for i in range(64)]
     s.store_many([(t, page_row(t)) for t in toks])
     want = [page_row(t) for t in toks]
@@ -173,7 +183,7 @@ def test_loads_racing_each_other_and_close_serve_right_bytes_or_refuse(
     arm("cache.load.pinned", "delay:0.5*1")  # the next batch, planned and pinned, waits
     late = threading.Thread(target=loader, args=(1,))
     late.start()
-    _until(lambda: any(r.pins for r in s._index.records.values()), "the batch to pin")
+    _until(lambda: any(r.pins for r in s._core.index.records.values()), "the batch to pin")
     s.close()
     late.join(30)
     assert outcomes == ["ok"] * 61
@@ -210,7 +220,7 @@ def test_an_error_with_reads_in_flight_cancels_them_before_it_goes_up(ring: Ring
 
 def test_a_ring_that_fails_hands_its_part_to_the_threads(tmp_path: Path, stores: Stores,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    s = stores.open(tmp_path)
+    s = stores.open(tmp_path, io_uring=True)
     if not s.io_uring:
         pytest.skip("this kernel or sandbox offers no io_uring")
     toks = [np.arange(i * 100, i * 100 + 2 * PT) for i in range(64)]

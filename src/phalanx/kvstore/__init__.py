@@ -24,6 +24,7 @@ from .buffers import aligned_empty
 from .geometry import Geometry
 from .keys import KeyChain, Tokens, fingerprint_digest, page_keys
 from .maintenance import Job, JobKind, JobOutcome
+from .options import StoreOptions
 from .snapshot import SEAL_NAME, SNAPSHOT_NAME
 from .stats import CacheStats
 from .store import DiskStore, StoreResult
@@ -48,6 +49,7 @@ __all__ = [
     "RowSpanError",
     "StoreClosedError",
     "StoreLockedError",
+    "StoreOptions",
     "StoreResult",
     "StoreWriteError",
     "Tokens",

@@ -1,4 +1,4 @@
-"""The read side of ``DiskStore``: ``load`` one prefix, ``load_many`` a batch of them.
+"""The read side of ``DiskStore`` (``Reader``): ``load`` one prefix, ``load_many`` a batch of them.
 
 A load plans its pieces (record, first page, stop page) under the store's mutex, pins
 those records so maintenance defers jobs on them, reads outside the mutex, and checks
@@ -18,7 +18,6 @@ import ctypes
 import errno
 import logging
 import os
-import threading
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -28,18 +27,15 @@ import numpy as np
 from phalanx.lifecycle.failpoints import Failpoint
 
 from ._errors import NotCachedError, RecordCorruptError
-from .buffers import ParallelReader, aligned_empty, as_out_view
-from .geometry import Geometry
-from .index import Index, Record
+from .buffers import aligned_empty, as_out_view
+from .core import StoreCore
+from .index import Record
 from .keys import KeyChain, Tokens
-from .maintenance import Scheduler
-from .open_files import OpenFiles
 from .record import page_digest, record_name
 from .recovery import read_header_at
-from .stats import CacheStats
-from .uring import RING_MAX_PIECE, Rings
+from .uring import RING_MAX_PIECE
 
-__all__ = ["LoadRequest", "Loads"]
+__all__ = ["LoadRequest", "Reader"]
 
 log = logging.getLogger("phalanx.kvstore")
 
@@ -56,27 +52,11 @@ _RUN_BYTES = 1 << 20  # and about this many bytes
 _RING_DEADLINE_S = 120.0
 
 
-class Loads:
-    """Mixed into DiskStore: the attributes below are the store's."""
+class Reader:
+    """The read side of one store, on the state it is handed (see core.py)."""
 
-    directory: str
-    geometry: Geometry
-    _mutex: threading.RLock
-    _index: Index
-    _scheduler: Scheduler
-    _stats: CacheStats
-    _reader: ParallelReader
-    _files: OpenFiles
-    _rings: Rings | None
-
-    def _check_open(self) -> None:
-        raise NotImplementedError  # the store's
-
-    def _keys(self, tokens: Tokens | KeyChain, limit: int | None = None) -> list[bytes]:
-        raise NotImplementedError  # the store's
-
-    def _retire_locked(self, rec: Record) -> None:
-        raise NotImplementedError  # the store's
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
 
     def load(self, tokens: Tokens | KeyChain, n_pages: int, out: Any = None) -> memoryview:
         """The KV bytes of the first ``n_pages`` pages, as a flat byte memoryview.
@@ -86,10 +66,10 @@ class Loads:
         memory you own (pinned, preallocated); start it at least 64-byte aligned (torch
         allocations are; numpy's 16-byte ones halve the kernel's copy speed here).
         Raises NotCachedError or RecordCorruptError (that record is never served
-        again). A large row is read in parallel parts (``load_threads``).
+        again). A large row is read in parallel parts (``io_threads``).
         """
         dst, pieces = self._plan([(tokens, n_pages, out)])[0]
-        pb = self.geometry.page_bytes
+        pb = self._core.geometry.page_bytes
         try:
             _FP_LOAD_PINNED.hit()
             for rec, first, stop in pieces:
@@ -100,7 +80,7 @@ class Loads:
 
     def load_many(self, requests: Sequence[LoadRequest]) -> list[memoryview]:
         """``load`` of a batch of prefixes (a server's batch of requests), their pieces
-        read at once on the store's reader threads and the caller's (``load_threads``
+        read at once on the store's reader threads and the caller's (``io_threads``
         in all). Each request is ``(tokens, n_pages)`` or ``(tokens, n_pages, out)``;
         returns the views in request order. All or nothing: NotCachedError before
         anything is read; RecordCorruptError after every other read finished (the bad
@@ -108,7 +88,7 @@ class Loads:
         io_uring reads have not finished in two minutes (a failing disk or a hung
         network filesystem; the rest were cancelled)."""
         planned = self._plan(requests)
-        pb = self.geometry.page_bytes
+        pb = self._core.geometry.page_bytes
         # a piece that fills its whole destination (a request served by one record, the
         # common case) reads into dst itself, not a slice of it
         reads = [(rec, first, stop, dst if len(pieces) == 1 else dst[first * pb : stop * pb])
@@ -125,11 +105,12 @@ class Loads:
         descriptor is held, a small piece) through the store's rings; returns the
         others, and those that came back short or found no free ring: the threads read
         them the long way."""
-        if self._rings is None or not reads:
+        rings = self._core.rings
+        if rings is None or not reads:
             return reads
-        held = self._files.acquire_held([rec.key for rec, *_ in reads])
+        held = self._core.files.acquire_held([rec.key for rec, *_ in reads])
         try:
-            pb = self.geometry.page_bytes
+            pb = self._core.geometry.page_bytes
             rest: list[_Read] = []
             fast: list[_Read] = []
             fds, offsets, addrs, lengths = [], [], [], []
@@ -146,19 +127,19 @@ class Loads:
             if fast:
                 sizes = np.array(lengths, dtype=np.int64)
                 try:
-                    whole = self._rings.read(
+                    whole = rings.read(
                         np.array(fds, dtype=np.int32), np.array(offsets, dtype=np.int64),
-                        np.array(addrs, dtype=np.uint64), sizes, self._reader.submit,
+                        np.array(addrs, dtype=np.uint64), sizes, self._core.io.submit,
                         _RING_DEADLINE_S)
                 except TimeoutError as exc:
-                    exc.add_note(f"loading {len(fast)} pieces from {self.directory}")
+                    exc.add_note(f"loading {len(fast)} pieces from {self._core.directory}")
                     raise
                 rest += [read for read, ok in zip(fast, whole.tolist(), strict=True) if not ok]
-                with self._mutex:
-                    self._stats.io_uring_loaded_bytes += int(sizes[whole].sum())
+                with self._core.mutex:
+                    self._core.stats.io_uring_loaded_bytes += int(sizes[whole].sum())
             return rest
         finally:
-            self._files.release_all(held)
+            self._core.files.release_all(held)
 
     def _read_threads(self, reads: list[_Read]) -> None:
         if not reads:
@@ -167,30 +148,30 @@ class Loads:
         # not per piece; runs stay short in bytes so the threads finish together (a
         # run of eight 4 MiB rows left one thread reading alone for ~10% of a batch)
         avg = max(1, sum(v.nbytes for *_, v in reads) // len(reads))
-        run = max(1, min(_RUN_PIECES, _RUN_BYTES // avg, len(reads) // (4 * self._reader.threads)))
+        run = max(1, min(_RUN_PIECES, _RUN_BYTES // avg, len(reads) // (4 * self._core.io.threads)))
         tasks = [partial(self._read_run, reads[i : i + run]) for i in range(0, len(reads), run)]
-        self._reader.run_all(tasks)
+        self._core.io.run_all(tasks)
 
     def _plan(self, requests: Sequence[LoadRequest]) -> list[tuple[memoryview, list[_Piece]]]:
-        pb = self.geometry.page_bytes
+        pb = self._core.geometry.page_bytes
         wanted = []
         for req in requests:
             tokens, n_pages = req[0], req[1]
             out = req[2] if len(req) > 2 else None
-            keys = self._keys(tokens, limit=n_pages)
+            keys = self._core.keys(tokens, limit=n_pages)
             # not bytearray(n): it zero-fills, an extra pass over the row; aligned: the
             # kernel copies into a page-aligned buffer at twice numpy's default's speed
             dst = (aligned_empty(n_pages * pb).data if out is None
                    else as_out_view(out, n_pages * pb))
             wanted.append((keys, n_pages, dst))
         planned = []
-        ix = self._index
-        with self._mutex:
-            self._check_open()
+        ix = self._core.index
+        with self._core.mutex:
+            self._core.check_open()
             for keys, n_pages, _ in wanted:
                 if n_pages <= 0 or not ix.has_prefix(keys, n_pages):
                     raise NotCachedError(
-                        f"load of {n_pages} pages from {self.directory}: only "
+                        f"load of {n_pages} pages from {self._core.directory}: only "
                         f"{ix.cached_pages(keys)} cached; call lookup() first and load at "
                         "most what it returns")
             for keys, n_pages, dst in wanted:
@@ -202,12 +183,12 @@ class Loads:
         return planned
 
     def _unpin(self, planned: list[tuple[memoryview, list[_Piece]]]) -> None:
-        with self._mutex:
+        with self._core.mutex:
             for _, pieces in planned:
                 for rec, _, _ in pieces:
                     rec.pins -= 1
-            self._stats.loads += len(planned)
-            self._stats.loaded_bytes += sum(dst.nbytes for dst, _ in planned)
+            self._core.stats.loads += len(planned)
+            self._core.stats.loaded_bytes += sum(dst.nbytes for dst, _ in planned)
 
     def _read_run(self, reads: list[_Read]) -> None:
         """Read every piece, even after one failed; then raise the first failure.
@@ -221,8 +202,8 @@ class Loads:
         Anything else (a file to open, a record to verify, a short read, an error) goes
         the long way, ``_read_piece``."""
         error: BaseException | None = None
-        pb = self.geometry.page_bytes
-        held = self._files.acquire_held([rec.key for rec, *_ in reads])
+        pb = self._core.geometry.page_bytes
+        held = self._core.files.acquire_held([rec.key for rec, *_ in reads])
         try:
             for (rec, first, stop, view), f in zip(reads, held, strict=True):
                 if f is not None and rec.verified:
@@ -237,20 +218,20 @@ class Loads:
                 except BaseException as exc:  # noqa: BLE001  raised once the rest are read
                     error = error or exc
         finally:
-            self._files.release_all(held)
+            self._core.files.release_all(held)
         if error is not None:
             raise error
 
     def _read_piece(self, rec: Record, first: int, stop: int, dst: memoryview,
                     split: bool) -> None:
-        pb = self.geometry.page_bytes
+        pb = self._core.geometry.page_bytes
         offset = rec.file_len - rec.row_len + (first - rec.start) * pb  # past the header
         crcs = None
         try:
-            f = self._files.acquire(rec.key, self.directory, record_name)
+            f = self._core.files.acquire(rec.key, self._core.directory, record_name)
             try:
                 # straight into dst (in parallel parts when large and split)
-                self._reader.read(f.fd, dst, offset, split)
+                self._core.io.read(f.fd, dst, offset, split)
                 if not rec.verified:
                     h = read_header_at(f.fd)  # the same file as the row just read
                     if (h.key, h.start_page, h.end_page, h.row_len, h.thinned) != (
@@ -259,37 +240,37 @@ class Loads:
                         raise ValueError("its header does not match the index")
                     crcs, digest = h.crcs, page_digest(h.version)
             finally:
-                self._files.release(f)
+                self._core.files.release(f)
         except (OSError, ValueError) as exc:
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
-                exc.add_note(f"loading from {self.directory}: out of file descriptors (the "
-                             "record is fine); lower DiskStore(open_files=) or raise the "
+                exc.add_note(f"loading from {self._core.directory}: out of file descriptors "
+                             "(the record is fine); lower StoreOptions(open_files=) or raise the "
                              "descriptor limit")
                 raise
             self._corrupt(rec, f"unreadable: {exc}")
             raise RecordCorruptError(
-                f"record {rec.key.hex()} in {self.directory} could not be read ({exc}); it is "
-                "dropped from the index; the prefix will be recomputed"
+                f"record {rec.key.hex()} in {self._core.directory} could not be read ({exc}); "
+                "it is dropped from the index; the prefix will be recomputed"
             ) from exc
         if crcs is not None:
             for i in range(stop - first):
                 if digest(dst[i * pb : (i + 1) * pb]) != crcs[first - rec.start + i]:
                     self._corrupt(rec, f"page {first + i} checksum mismatch")
                     raise RecordCorruptError(
-                        f"record {rec.key.hex()} in {self.directory}: page {first + i} failed "
-                        "its checksum (torn write or bit rot); it is moved aside and never "
+                        f"record {rec.key.hex()} in {self._core.directory}: page {first + i} "
+                        "failed its checksum (torn write or bit rot); it is moved aside and never "
                         "served; the prefix will be recomputed"
                     )
             if first == rec.start and stop == rec.end:
                 rec.verified = True  # every page checked once; the page cache holds them
 
     def _corrupt(self, rec: Record, why: str) -> None:
-        log.warning("cache %s: record %s is corrupt (%s)", self.directory, rec.key.hex(), why)
-        self._files.forget(rec.key)  # a file fixed or replaced later is opened afresh
-        with self._mutex:
-            self._stats.corrupt_loads += 1
-            if self._index.records.get(rec.key) is rec and not rec.thinned:
-                self._index.remove(rec)
-            if self._index.forget_orphan(rec.key) is not None:
-                self._scheduler.bad[record_name(rec.key)] = None
-                self._retire_locked(rec)  # this load's pin, at least, is still held
+        log.warning("cache %s: record %s is corrupt (%s)", self._core.directory, rec.key.hex(), why)
+        self._core.files.forget(rec.key)  # a file fixed or replaced later is opened afresh
+        with self._core.mutex:
+            self._core.stats.corrupt_loads += 1
+            if self._core.index.records.get(rec.key) is rec and not rec.thinned:
+                self._core.index.remove(rec)
+            if self._core.index.forget_orphan(rec.key) is not None:
+                self._core.scheduler.bad[record_name(rec.key)] = None
+                self._core.retire_locked(rec)  # this load's pin, at least, is still held

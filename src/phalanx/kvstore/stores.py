@@ -1,4 +1,4 @@
-"""The write side of ``DiskStore``: ``store`` one row, ``store_many`` a batch of them.
+"""The write side of ``DiskStore`` (``Writer``): ``store`` one row, ``store_many`` a batch of them.
 
 A store runs in three steps:
 
@@ -23,24 +23,21 @@ overlap in the kernel: LMCache's ``fs_native`` runs four writers for this reason
 from __future__ import annotations
 
 import os
-import threading
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from ._errors import CapacityError, RowSpanError
-from .buffers import ParallelReader, as_byte_view, wait_all
-from .files import Staging, write_record
-from .geometry import Geometry
-from .index import Index, Record
+from ._errors import CapacityError, RowSpanError, StoreWriteError
+from .buffers import as_byte_view, wait_all
+from .core import StoreCore
+from .files import write_record
+from .index import Record
+from .jobs import JobRunner
 from .keys import ROOT_KEY, KeyChain, Tokens
-from .open_files import OpenFiles
 from .record import RecordHeader, page_crcs
-from .stats import CacheStats
 
-__all__ = ["StoreItem", "StoreResult", "Stores"]
+__all__ = ["StoreItem", "StoreResult", "Writer"]
 
 # below, a thread hand-off costs more than the checksums of a lone row it would overlap
 _OVERLAP_MIN = 1 << 20
@@ -68,7 +65,7 @@ class _Write:
     view: memoryview
     keys: list[bytes]  # page keys 0 .. end of the row's tokens
     pinned: list[Record] = field(default_factory=list)
-    reserved: bool = False  # its bytes counted in _reserved, its span in _inflight
+    reserved: bool = False  # its bytes counted in core.reserved, its span in core.inflight
     written: bool = False  # committed by rename
     kept: int | None = None  # the written file's descriptor, for OpenFiles
     error: BaseException | None = None
@@ -88,42 +85,13 @@ class _Write:
         return StoreResult(self.header.key, self.start, self.header.end_page, True, self.size)
 
 
-class Stores:
-    """Mixed into DiskStore: the attributes below are the store's."""
+class Writer:
+    """The write side of one store, on the state it is handed (see core.py); it makes
+    room and frees names through the store's ``JobRunner``."""
 
-    directory: str
-    geometry: Geometry
-    fingerprint: bytes
-    capacity_bytes: int
-    fsync: bool
-    _mutex: threading.RLock
-    _index: Index
-    _stats: CacheStats
-    _reader: ParallelReader
-    _files: OpenFiles
-    _clock: Callable[[], float]
-    _reserved: int  # bytes of admitted writes, counted against capacity
-    _inflight: Counter[bytes]  # page keys of admitted writes' spans
-    _retired: dict[bytes, Record]  # dropped records loads still pin, by key
-    _staging: Staging
-
-    def _check_open(self) -> None:
-        raise NotImplementedError  # the store's
-
-    def _is_open(self) -> bool:
-        raise NotImplementedError  # the store's
-
-    def _keys(self, tokens: Tokens | KeyChain, limit: int | None = None) -> list[bytes]:
-        raise NotImplementedError  # the store's
-
-    def _check_fits(self, nbytes: int) -> None:
-        raise NotImplementedError  # the store's
-
-    def _make_room_locked(self, nbytes: int) -> int:
-        raise NotImplementedError  # the store's
-
-    def _free_name_locked(self, key: bytes) -> None:
-        raise NotImplementedError  # the store's
+    def __init__(self, core: StoreCore, jobs: JobRunner) -> None:
+        self._core = core
+        self._jobs = jobs
 
     def store(self, tokens: Tokens | KeyChain, row: Any) -> StoreResult:
         """Store the KV ``row`` of the last ``len(row) / page_bytes`` full pages of tokens.
@@ -141,7 +109,7 @@ class Stores:
         order. Rows are admitted in order, each as if the ones before it were stored (a
         row may extend an earlier row's tokens; a row whose pages an earlier row holds
         is skipped, as is one that needs pages another call is still writing), written
-        at once on the store's I/O threads and the caller's (``load_threads`` in all),
+        at once on the store's I/O threads and the caller's (``io_threads`` in all),
         and indexed in order. The prefixes the rows extend stay pinned until then.
 
         Bad input (RowSpanError) or no room (CapacityError: the rows, or the rows and
@@ -157,38 +125,40 @@ class Stores:
     def _prepare(self, tokens: Tokens | KeyChain, row: Any) -> _Write:
         """Check the row's size against its tokens and build its header (no I/O)."""
         view = as_byte_view(row)
-        pb = self.geometry.page_bytes
+        pb = self._core.geometry.page_bytes
         if not view.nbytes or view.nbytes % pb:
             raise RowSpanError(
                 f"row of {view.nbytes} bytes is not a positive multiple of the page size "
-                f"{pb} ({self.geometry})"
+                f"{pb} ({self._core.geometry})"
             )
-        keys = self._keys(tokens)
+        keys = self._core.keys(tokens)
         end = len(keys)
         start = end - view.nbytes // pb
         if start < 0:
             raise RowSpanError(f"row holds {view.nbytes // pb} pages, tokens only {end}")
         header = RecordHeader(
-            self.geometry, self.fingerprint, keys[-1], keys[start - 1] if start else ROOT_KEY,
-            start, end, view.nbytes, 0.0, keys[start:], [],
+            self._core.geometry, self._core.fingerprint, keys[-1],
+            keys[start - 1] if start else ROOT_KEY, start, end, view.nbytes, 0.0,
+            keys[start:], [],
         )
-        self._check_fits(header.file_len)
+        self._jobs.check_fits(header.file_len)
         return _Write(header, view, keys)
 
     def _store_all(self, prepared: list[_Write]) -> list[StoreResult]:
-        with self._mutex:
-            self._check_open()
+        with self._core.mutex:
+            self._core.check_open()
             writes = self._admit_locked(prepared)
         try:
             if len(writes) == 1:  # alone: its checksums may overlap its write
                 self._write(writes[0], overlap=True)
             else:
-                self._reader.run_all([partial(self._write, w, False) for w in writes])
+                self._core.io.run_all([partial(self._write, w, False) for w in writes])
         finally:
             self._index_written(writes)  # every admitted row released, written or not
         failed = [w for w in writes if not w.written]
         if failed:
-            error = failed[0].error or RuntimeError("store interrupted before its write")
+            error = failed[0].error or StoreWriteError(
+                f"a store to {self._core.directory} was interrupted before its write")
             if len(prepared) > 1:
                 error.add_note(f"store_many: {len(writes) - len(failed)} of {len(writes)} "
                                f"rows to write were stored; {len(failed)} failed")
@@ -202,7 +172,7 @@ class Stores:
         writing, or that hang from such a row (store it again once they are cached).
         All or nothing: on an error every row admitted so far is released, and no skip
         is counted."""
-        ix, inflight = self._index, self._inflight
+        ix, inflight = self._core.index, self._core.inflight
         batch: set[bytes] = set()  # page keys that earlier rows of this call will cache
         unsettled: set[bytes] = set()  # page keys of rows skipped for another call's write
         writes: list[_Write] = []
@@ -225,7 +195,7 @@ class Stores:
                             f"cached: a row must start at or before page {cached} (no gaps)"
                         )
                     later = True
-                orphan = ix.orphans.get(keys[-1]) or self._retired.get(keys[-1])
+                orphan = ix.orphans.get(keys[-1]) or self._core.retired.get(keys[-1])
                 if later or (orphan is not None and orphan.pins):
                     unsettled.update(keys[cached:])  # rows hanging from it wait too
                     skipped += 1
@@ -237,16 +207,17 @@ class Stores:
                 batch.update(keys[start:])
                 writes.append(w)
             total = sum(w.size for w in writes)
-            if total > self.capacity_bytes:
+            cap = self._core.options.capacity_bytes
+            if total > cap:
                 raise CapacityError(
                     f"a store_many batch of {len(writes)} records takes {total} bytes, more "
-                    f"than the capacity of {self.directory} ({self.capacity_bytes} bytes); "
+                    f"than the capacity of {self._core.directory} ({cap} bytes); "
                     "store it in smaller batches"
                 )
             for w in writes:
-                self._free_name_locked(w.header.key)
-                self._make_room_locked(w.size)
-                self._reserved += w.size
+                self._jobs.free_name_locked(w.header.key)
+                self._jobs.make_room_locked(w.size)
+                self._core.reserved += w.size
                 for k in w.keys[w.start :]:
                     inflight[k] += 1
                 w.reserved = True
@@ -254,23 +225,24 @@ class Stores:
             for w in writes:
                 self._release_locked(w)
             raise
-        self._stats.stores_skipped += skipped
+        self._core.stats.stores_skipped += skipped
         return writes
 
     def _write(self, w: _Write, overlap: bool) -> None:
         """Checksums, temp file, rename; the outcome is left in ``w`` (never raises)."""
-        pb = self.geometry.page_bytes
+        pb = self._core.geometry.page_bytes
         # a lone large row's checksums are computed on an I/O thread while this one
         # writes the row (both release the GIL): the store costs its write, not both
-        checksums = (self._reader.submit(page_crcs, w.view, pb)
+        checksums = (self._core.io.submit(page_crcs, w.view, pb)
                      if overlap and w.view.nbytes >= _OVERLAP_MIN else None)
         try:
             if checksums is None:
                 w.header.crcs = page_crcs(w.view, pb)
-            w.header.created = self._clock()
-            w.kept = write_record(self.directory, w.header, w.view, self.fsync, checksums,
-                                  keep_open=self._files.capacity > 0,
-                                  tmp_dir=self._staging.path())  # this thread's slot
+            w.header.created = self._core.clock()
+            core = self._core
+            w.kept = write_record(core.directory, w.header, w.view, core.options.fsync,
+                                  checksums, keep_open=core.files.capacity > 0,
+                                  tmp_dir=core.staging.path())  # this thread's slot
             w.written = True
         except BaseException as exc:  # noqa: BLE001  raised by the caller once all are done
             w.error = exc
@@ -280,7 +252,7 @@ class Stores:
 
     def _index_written(self, writes: list[_Write]) -> None:
         """Release every admitted row; index, in order, those written."""
-        with self._mutex:
+        with self._core.mutex:
             for w in writes:
                 self._release_locked(w)
                 if w.written:
@@ -288,35 +260,35 @@ class Stores:
 
     def _release_locked(self, w: _Write) -> None:
         if w.reserved:
-            inflight = self._inflight
+            inflight = self._core.inflight
             for k in w.keys[w.start :]:
                 left = inflight[k] - 1
                 if left:
                     inflight[k] = left
                 else:
                     del inflight[k]
-            self._reserved -= w.size
+            self._core.reserved -= w.size
             w.reserved = False
         for rec in w.pinned:
             rec.pins -= 1
         w.pinned = []
 
     def _index_locked(self, w: _Write) -> None:
-        ix, h = self._index, w.header
+        ix, h = self._core.index, w.header
         rec = Record(h.key, h.parent, h.start_page, h.end_page, h.row_len, h.file_len,
                      h.created, thinned=False, verified=True)
         parent = ix.root if h.start_page == 0 else ix.nodes.get(w.keys[h.start_page - 1])
         kept, w.kept = w.kept, None
         try:
-            if parent is None or not self._is_open():
+            if parent is None or not self._core.is_open():
                 ix.add_orphan(rec)  # its prefix went meanwhile (or closed): dropped later
             else:
                 ix.add(rec, w.keys[h.start_page :], parent)
                 if kept is not None:
-                    self._files.keep(rec.key, kept)  # a record just written is read soon
+                    self._core.files.keep(rec.key, kept)  # a record just written is read soon
                     kept = None
         finally:
             if kept is not None:
                 os.close(kept)
-        self._stats.stores += 1
-        self._stats.stored_bytes += h.row_len
+        self._core.stats.stores += 1
+        self._core.stats.stored_bytes += h.row_len

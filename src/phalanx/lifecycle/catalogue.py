@@ -32,6 +32,7 @@ POINTS: dict[str, dict[str, str]] = {
         "rendezvous.remove.unlink": "about to unlink one file of a generation",
     },
     "kvstore": {
+        "cache.close.lock": "close is about to release the directory's lock (its last step)",
         "cache.close.seal": "close wrote the snapshot; about to seal it",
         "cache.load.pinned": "load planned, records pinned, not yet read",
         "cache.purge.unlinking": "stale temp file about to be unlinked",
