@@ -1,0 +1,242 @@
+"""A dead or hung rank fails what depends on it at once (issue 13, item 6).
+
+Every case kills (SIGKILL) or stops (SIGSTOP) one rank while every rank is busy: in a
+long task, in an allreduce, in a barrier; each rank in turn. The survivors' tasks block
+on something that never ends (an Event nobody sets, a collective with a 300 s deadline),
+so the old behaviour (the run failed only when the survivors' tasks ended) fails the
+time bound. Bounds are generous (a loaded machine cannot fail them); what they rule out
+is waiting for the survivors.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import phalanx
+from leaks import Snapshot, wait_settled
+from phalanx.comm import DomainView
+from phalanx.lifecycle import CleanupError
+from phalanx.runtime import (
+    RankDiedError,
+    RankHungError,
+    WorkerPoisonedError,
+    rank_services,
+)
+
+RANKS = 2
+FAIL_BOUND_S = 20.0  # the run must fail within this (the survivors never end)
+HUNG_DEADLINE_S = 4.0  # the busy tasks' deadline: a stopped rank is hung once it passes
+CLOSE_TIMEOUT_S = 10.0
+
+
+def _wait_for(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout}s")
+        time.sleep(0.01)
+
+
+# -- what each rank runs (module level: shipped by reference) --------------------------
+def _enter(marker_dir: str) -> None:
+    Path(marker_dir, f"in-{phalanx.current_rank()}").touch()
+
+
+def _block_forever(marker_dir: str) -> None:
+    _enter(marker_dir)
+    threading.Event().wait()
+
+
+def _allreduce(d: DomainView, marker_dir: str, victim: int) -> Any:
+    if phalanx.current_rank() == victim:
+        _block_forever(marker_dir)  # never arrives: the others wait in the allreduce
+    _enter(marker_dir)
+    return d.allreduce(np.ones(1024, dtype=np.float32))
+
+
+def _barrier(d: DomainView, marker_dir: str, victim: int) -> None:
+    if phalanx.current_rank() == victim:
+        _block_forever(marker_dir)
+    _enter(marker_dir)
+    d.barrier(timeout=300)
+
+
+def _busy_run(kind: str, marker_dir: str, victim: int) -> Any:
+    def orch(o: phalanx.Orchestrator) -> None:
+        opts = o.options(timeout=HUNG_DEADLINE_S)
+        if kind == "task":
+            futures = [opts.submit(r, _block_forever, marker_dir) for r in o.ranks]
+        else:
+            d = o.allocate_domain("death", list(o.ranks), window_size=4096)
+            fn = _allreduce if kind == "allreduce" else _barrier
+            futures = [opts.submit(r, fn, d, marker_dir, victim) for r in o.ranks]
+        for f in futures:
+            f.result()
+    return orch
+
+
+# -- the campaign ----------------------------------------------------------------------
+# The last rank's cases run in a quick pass; the rest of the campaign is marked slow.
+@pytest.mark.parametrize("victim", [pytest.param(r, marks=pytest.mark.slow)
+                                    for r in range(RANKS - 1)] + [RANKS - 1])
+@pytest.mark.parametrize("kind", ["task", "allreduce", "barrier"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_a_lost_rank_fails_the_run_at_once(sig: signal.Signals, kind: str, victim: int,
+                                          tmp_path: Path) -> None:
+    before = Snapshot.take()
+    # domain_timeout 300: a survivor waiting on a stopped peer never gives up by itself
+    w = phalanx.Worker(ranks=RANKS, domain_timeout=300, close_timeout=CLOSE_TIMEOUT_S)
+    try:
+        pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
+        outcome: list[BaseException | None] = []
+
+        def drive() -> None:
+            try:
+                w.run(_busy_run(kind, str(tmp_path), victim))
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001  inspected below
+                outcome.append(exc)
+
+        runner = threading.Thread(target=drive)
+        runner.start()
+        _wait_for(lambda: len(list(tmp_path.glob("in-*"))) == RANKS, 60, "every rank busy")
+        os.kill(pids[victim], sig)
+        lost_at = time.monotonic()
+        runner.join(FAIL_BOUND_S + (HUNG_DEADLINE_S if sig is signal.SIGSTOP else 0))
+        assert not runner.is_alive(), "Worker.run waited on the survivors' tasks"
+        elapsed = time.monotonic() - lost_at
+        err = outcome[0]
+        expected = RankHungError if sig is signal.SIGSTOP else RankDiedError
+        assert isinstance(err, expected), repr(err)
+        assert err.rank == victim and err.pid == pids[victim]
+        assert f"rank {victim} (pid {pids[victim]})" in str(err)
+        assert sig.name in str(err)
+        assert elapsed < FAIL_BOUND_S + HUNG_DEADLINE_S
+        assert victim not in w.alive_ranks()
+        with pytest.raises(WorkerPoisonedError, match=f"rank {victim}"):
+            w.run(lambda o: None)
+    finally:
+        t0 = time.monotonic()
+        w.close()
+        closed_in = time.monotonic() - t0
+    # close(): SHUTDOWN, a short grace for abandoned tasks, SIGKILL for the rest
+    assert closed_in < CLOSE_TIMEOUT_S + 10
+    assert wait_settled(before) == {}
+
+
+def test_a_survivor_in_a_barrier_notices_a_dead_peer_and_its_task_ends(
+        tmp_path: Path) -> None:
+    """The survivor's own wait (pid checks every 50 ms) ends its task: its rank is not
+    killed at close, it stops gracefully."""
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=2, domain_timeout=300)
+    futures: list[phalanx.TaskFuture] = []
+    try:
+        pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
+
+        def orch(o: phalanx.Orchestrator) -> None:
+            d = o.allocate_domain("survivor", [0, 1], window_size=4096)
+            futures.extend(o.submit(r, _barrier, d, str(tmp_path), 1) for r in (0, 1))
+            for f in futures:
+                f.result()
+
+        h = w.submit(orch)
+        _wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 2, 60, "both ranks busy")
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(RankDiedError, match=r"rank 1 .*SIGKILL"):
+            h.result(timeout=FAIL_BOUND_S)
+        assert futures[0].wait_finished(FAIL_BOUND_S), "rank 0's barrier kept waiting"
+        assert w.stats().ranks_alive == 1
+        assert h.wait_retired(FAIL_BOUND_S)  # its task ended: the fence passed by itself
+    finally:
+        w.close()
+    assert wait_settled(before) == {}
+
+
+def test_submit_handle_fails_at_once_too(tmp_path: Path) -> None:
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=3)
+    try:
+        pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
+        h = w.submit(_busy_run("task", str(tmp_path), 2))
+        _wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 3, 60, "every rank busy")
+        os.kill(pids[2], signal.SIGKILL)
+        with pytest.raises(RankDiedError, match=f"rank 2 \\(pid {pids[2]}\\) was killed by "
+                                                f"SIGKILL"):
+            h.result(timeout=FAIL_BOUND_S)
+        assert not h.retired  # ranks 0 and 1 still run their abandoned tasks
+    finally:
+        w.close()
+    assert h.retired
+    assert wait_settled(before) == {}
+
+
+# -- the seams -------------------------------------------------------------------------
+def _pid_then_block(marker_dir: str) -> int:
+    if phalanx.current_rank() == 1:
+        _block_forever(marker_dir)
+    _enter(marker_dir)
+    threading.Event().wait()
+    return 0
+
+
+def test_call_ranks_fails_every_part_when_one_rank_dies(tmp_path: Path) -> None:
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=2)
+    try:
+        pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
+        assert {r: o.unwrap() for r, o in w.call_ranks([0, 1], os.getpid).items()} == \
+            dict(enumerate(pids))
+        out: dict[int, Any] = {}
+        caller = threading.Thread(
+            target=lambda: out.update(w.call_ranks([0, 1], _pid_then_block, str(tmp_path))))
+        caller.start()
+        _wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 2, 60, "both ranks busy")
+        os.kill(pids[1], signal.SIGKILL)
+        caller.join(FAIL_BOUND_S)
+        assert not caller.is_alive()
+        assert all(isinstance(o.error, RankDiedError) and o.error.rank == 1
+                   for o in out.values()), out
+        assert w.alive_ranks() == [0]
+    finally:
+        w.close()
+    assert wait_settled(before) == {}
+
+
+def _open_service(path: str, fail: bool) -> None:
+    def close() -> None:
+        if fail:
+            raise OSError(5, f"rank {phalanx.current_rank()} service says no")
+        Path(path).write_text("closed")
+
+    rank_services().register("test.service", object(), close)
+
+
+def test_close_closes_every_rank_service_and_reports_a_failure_by_rank(
+        tmp_path: Path) -> None:
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=2)
+    steps: list[str] = []
+    w.add_close_step("a step of a layer above", lambda: steps.append("ran"))
+    w.run(lambda o: [o.submit(r, _open_service, str(tmp_path / f"r{r}"), r == 1).result()
+                     for r in o.ranks])
+    with pytest.raises(CleanupError) as info:
+        w.close()
+    (step_error,) = info.value.exceptions
+    assert isinstance(step_error, CleanupError)
+    assert "rank services failed to close on ranks [1]" in str(step_error)
+    (rank_error,) = step_error.exceptions
+    assert "rank 1 services" in str(rank_error)
+    assert "service says no" in repr(getattr(rank_error, "exceptions", rank_error))
+    assert (tmp_path / "r0").read_text() == "closed"
+    assert steps == ["ran"]
+    w.close()  # the failed step was retried once more (it fails again: the rank closes it)
+    assert wait_settled(before) == {}
