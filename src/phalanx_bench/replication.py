@@ -8,6 +8,10 @@ share: the **local baseline** applies the same jobs with one ``DiskStore`` in th
 process, no peers, no links (``local_jobs_per_s``; ``of_local`` is the ratio). With 3
 ranks on 2 cores, each job's file work done 3 times, the ceiling is about 0.67x.
 
+Where the time goes, per lane: ``cpu_us_per_job`` (CPU of each rank process, of the
+parent and of the local baseline, per job) and ``cores_busy`` (their CPU over the
+lane's wall time): a lane at 2.0 on 2 cores is bound by CPU, not by waiting.
+
 Everything goes through the public API: ``ReplicatedCache`` from the parent (each call
 is one run; rank 0's ``maintain`` times itself), tasks on ranks through the
 ``Orchestrator``, and a KV source of this module's own (``StagedRows``: a rank's
@@ -17,7 +21,8 @@ small: EXPIRE jobs of tiny records (one unlink per rank: the cheapest real job, 
 lane's and the link's cost). jobs/s from rank 0's ``maintain`` of ``--records``
 recovered records; p50/p99 of one job (a record stored, then a ``maintain`` that
 expires only it: decide, apply, send, apply on every peer, ack; rank 0's own timing).
-Local: the same directory (a copy of rank 0's, taken while closed) polled to the end.
+Local: the same directory (a copy of rank 0's, taken while closed) polled to the end;
+every local baseline runs once before its lane and once after it, on its own copy.
 store_1mib: stores of 1 MiB rows (4 pages of 256 KiB) on every rank, each from its own
 staging buffer; only keys cross the links. Throughput with ``--concurrency`` stores in
 flight from the parent (a server's concurrent requests); p50/p99 of single stores,
@@ -25,9 +30,9 @@ each waited for, seen from the parent. Local: the same rows stored one by one.
 burst: one maintenance burst of ``--burst`` EXPIRE jobs on a reopened (recovered)
 directory, with store requests issued from the parent all through it
 (``requests_during_burst``: their p99 against the p99 of the same requests issued
-just before, with no maintenance running; one every ``--request-interval-ms``); peak
-RSS of every rank during the burst (VmHWM reset first). Local: the same directory
-copied and polled to the end.
+just before and just after it, with no maintenance running; one every
+``--request-interval-ms``); peak RSS of every rank during the burst (VmHWM reset
+first). Local: the same directory copied and polled to the end.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -95,29 +101,51 @@ def _copy_rank0(directory: str, ranks: int, to: str) -> str:
     return to
 
 
-def _local_maintain(directory: str) -> tuple[int, float]:
-    """(jobs, seconds): maintenance to the end by one store in this process, no peers."""
+@dataclass(frozen=True)
+class Timed:
+    """One measured run: jobs done, wall seconds, CPU seconds of each process
+    (rank number, "parent" or "local")."""
+
+    jobs: int
+    seconds: float
+    cpu: dict[str, float]
+
+
+def _local_maintain(directory: str) -> Timed:
+    """Maintenance to the end by one store in this process, no peers."""
     with DiskStore(directory, SMALL, FINGERPRINT, StoreOptions(
             capacity_bytes=1 << 40, max_age=1e-3, progress=False)) as store:
         jobs = 0
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         while n := store.poll(1 << 10):
             jobs += n
-        return jobs, time.perf_counter() - t0
+        return Timed(jobs, time.perf_counter() - t0, {"local": time.process_time() - c0})
 
 
-def _local_stores(directory: str, tokens: list[np.ndarray]) -> float:
-    """Seconds to store ``tokens``' rows one by one in one store, from a staged buffer."""
+def _local_stores(directory: str, tokens: list[np.ndarray]) -> Timed:
+    """``tokens``' rows stored one by one in one store, from a staged buffer."""
     source = StagedRows(BIG, 0)
     with DiskStore(directory, BIG, FINGERPRINT,
                    StoreOptions(capacity_bytes=1 << 40, progress=False)) as store:
         chains = [store.chain(t) for t in tokens]
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         for chain in chains:
             res = store.store(chain, source.row(chain.keys, 0))
             if not res.stored:
                 raise BenchError(f"local baseline: a 1 MiB row was not stored: {res}")
-        return time.perf_counter() - t0
+        return Timed(len(chains), time.perf_counter() - t0,
+                     {"local": time.process_time() - c0})
+
+
+def _cpu_now(w: Worker) -> dict[str, float]:
+    """CPU seconds so far of every rank process (all its threads) and of this one."""
+    ranks = _on_every_rank(w, time.process_time)
+    return {**{str(r): t for r, t in ranks.items()}, "parent": time.process_time()}
+
+
+def _cpu_since(w: Worker, before: dict[str, float]) -> dict[str, float]:
+    now = _cpu_now(w)
+    return {k: now[k] - before[k] for k in before}
 
 
 def _maintained(rc: ReplicatedCache) -> tuple[int, float]:
@@ -179,18 +207,26 @@ def _paced_stores(rc: ReplicatedCache, tokens: Callable[[], np.ndarray], interva
     return lat
 
 
-def _lane(jobs: int, seconds: float, local: tuple[int, float]) -> dict[str, Any]:
-    """A lane's throughput beside its local baseline's (jobs, seconds)."""
-    jps = jobs / seconds
-    local_jps = local[0] / local[1]
-    return {"jobs": jobs, "seconds": round(seconds, 3), "jobs_per_s": round(jps, 1),
-            "local_jobs": local[0], "local_jobs_per_s": round(local_jps, 1),
-            "of_local": round(jps / local_jps, 3)}
+def _lane(run: Timed, local: list[Timed]) -> dict[str, Any]:
+    """A lane's throughput beside its local baseline's, run once before the lane and
+    once after it, so the drift of a shared machine shows; and where the CPU went:
+    µs of CPU per job in each process, and the cores the lane kept busy."""
+    jps = run.jobs / run.seconds
+    local_jps = sum(x.jobs for x in local) / sum(x.seconds for x in local)
+    cpu = {k: round(v / run.jobs * 1e6, 1) for k, v in run.cpu.items()}
+    cpu["local"] = round(sum(x.cpu["local"] for x in local)
+                         / sum(x.jobs for x in local) * 1e6, 1)
+    return {"jobs": run.jobs, "seconds": round(run.seconds, 3), "jobs_per_s": round(jps, 1),
+            "local_jobs": local[0].jobs, "local_jobs_per_s": round(local_jps, 1),
+            "local_runs_jobs_per_s": [round(x.jobs / x.seconds, 1) for x in local],
+            "of_local": round(jps / local_jps, 3), "cpu_us_per_job": cpu,
+            "cores_busy": round(sum(run.cpu.values()) / run.seconds, 2)}
 
 
-def _same_jobs(jobs: int, local: tuple[int, float]) -> None:
-    if local[0] != jobs:
-        raise BenchError(f"the local baseline applied {local[0]} jobs, the lane {jobs}")
+def _same_jobs(jobs: int, local: list[Timed]) -> None:
+    if any(x.jobs != jobs for x in local):
+        raise BenchError(f"the local baseline applied {[x.jobs for x in local]} jobs, the "
+                         f"lane {jobs}")
 
 
 def _latency_and_raw(lane: dict[str, Any], lat: list[float], raw: float) -> None:
@@ -205,15 +241,19 @@ def _small(w: Worker, tmp: str, records: int, window: int, ranks: int) -> dict[s
     rc = _open(w, d, SMALL, window, None)
     rc.synth(records, "tree")
     rc.close()  # raises CleanupError naming every rank that failed
-    local = _local_maintain(_copy_rank0(d, ranks, f"{tmp}/small-local"))
+    copies = [_copy_rank0(d, ranks, f"{tmp}/small-local-{i}") for i in range(2)]
+    local = [_local_maintain(copies[0])]
     rc = _open(w, d, SMALL, window, 1e-3)
     try:
+        cpu = _cpu_now(w)
         jobs, secs = _maintained(rc)
+        run = Timed(jobs, secs, _cpu_since(w, cpu))
+        local.append(_local_maintain(copies[1]))
         lat = _one_job_latency(rc, 200)
     finally:
         rc.close()  # raises CleanupError naming every rank that failed
     _same_jobs(jobs, local)
-    out = _lane(jobs, secs, local)
+    out = _lane(run, local)
     _latency_and_raw(out, lat, raw_jobs_per_s(SMALL_FRAME, window, 100_000))
     return out
 
@@ -222,19 +262,21 @@ def _stores(w: Worker, tmp: str, stores: int, window: int,
             concurrency: int) -> dict[str, Any]:
     pt = BIG.page_tokens
     tokens = [np.arange(ROW_PAGES * pt) + 10**7 * (i + 1) for i in range(stores + 20)]
-    local = (stores, _local_stores(f"{tmp}/big-local", tokens[:stores]))
+    local = [_local_stores(f"{tmp}/big-local-0", tokens[:stores])]
     rc = _open(w, f"{tmp}/big", BIG, window, None)
     try:
         lat = _timed_stores(rc, tokens[stores:])
+        cpu = _cpu_now(w)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency, thread_name_prefix="bench-store") as pool:
             shares = [tokens[i:stores:concurrency] for i in range(concurrency)]
             for f in [pool.submit(_timed_stores, rc, share) for share in shares]:
                 f.result()
-        secs = time.perf_counter() - t0
+        run = Timed(stores, time.perf_counter() - t0, _cpu_since(w, cpu))
+        local.append(_local_stores(f"{tmp}/big-local-1", tokens[:stores]))
     finally:
         rc.close()  # raises CleanupError naming every rank that failed
-    out = _lane(stores, secs, local)
+    out = _lane(run, local)
     _latency_and_raw(out, lat, raw_jobs_per_s(1 << 20, window, 500))
     out["row_bytes"] = ROW_PAGES * BIG.page_bytes
     out["concurrency"] = concurrency
@@ -258,7 +300,8 @@ def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: i
     rc.synth(burst, "tree")
     synth_s = time.perf_counter() - t0
     rc.close()  # raises CleanupError naming every rank that failed
-    local = _local_maintain(_copy_rank0(d, ranks, f"{tmp}/burst-local"))
+    copies = [_copy_rank0(d, ranks, f"{tmp}/burst-local-{i}") for i in range(2)]
+    local = [_local_maintain(copies[0])]
     t0 = time.perf_counter()
     rc = _open(w, d, SMALL, window, 1e-3)
     open_s = time.perf_counter() - t0
@@ -269,10 +312,11 @@ def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: i
         return np.arange(2 * pt) + 2 * pt * next(fresh) + 10**9
 
     try:
-        idle = _paced_stores(rc, request_tokens, interval, threading.Event(), requests)
+        # idle: half the requests before the burst, half after it (drift shows in both)
+        idle = _paced_stores(rc, request_tokens, interval, threading.Event(), requests // 2)
         rss_before = _on_every_rank(w, reset_peak_rss)
         done = threading.Event()
-
+        cpu = _cpu_now(w)
         with ThreadPoolExecutor(1, thread_name_prefix="bench-requests") as pool:
             fut = pool.submit(_paced_stores, rc, request_tokens, interval, done)
             try:
@@ -280,13 +324,17 @@ def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: i
             finally:
                 done.set()
             during = fut.result()
+        run = Timed(jobs, secs, _cpu_since(w, cpu))
         peaks = _on_every_rank(w, peak_rss)
+        idle += _paced_stores(rc, request_tokens, interval, threading.Event(),
+                              requests - requests // 2)
+        local.append(_local_maintain(copies[1]))
     finally:
         rc.close()  # raises CleanupError naming every rank that failed
     if not during:
         raise BenchError("no store request completed during the burst")
     # jobs: the burst's and the expiries of the requests' own records (a few hundred)
-    out = _lane(jobs, secs, local)
+    out = _lane(run, local)
     out.update({"peak_rss_mb": {str(r): round(v, 1) for r, v in peaks.items()},
                 "rss_before_mb": {str(r): round(v[1], 1) for r, v in rss_before.items()},
                 "peak_reset": all(v[0] for v in rss_before.values()),
@@ -310,9 +358,9 @@ def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: i
               help="store requests in flight in the store lane")
 @click.option("--burst", type=int, default=100_000, show_default=True)
 @click.option("--requests", type=int, default=500, show_default=True,
-              help="idle store requests timed before the burst")
+              help="idle store requests timed (half before the burst, half after)")
 @click.option("--request-interval-ms", "interval_ms", type=click.FloatRange(0), default=5.0,
-              show_default=True, help="time between store requests during the burst")
+              show_default=True, help="time between store requests, idle and in the burst")
 @click.option("--window", type=int, default=64, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def command(peers: int, records: int, stores: int, concurrency: int, burst: int,
