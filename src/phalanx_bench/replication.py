@@ -362,13 +362,18 @@ def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: i
 @click.option("--request-interval-ms", "interval_ms", type=click.FloatRange(0), default=5.0,
               show_default=True, help="time between store requests, idle and in the burst")
 @click.option("--window", type=int, default=64, show_default=True)
+@click.option("--rank-scheduler", type=click.Choice(["batch", "other"]), default="batch",
+              show_default=True, help="the ranks' CPU scheduling policy (Worker's option)")
 @click.option("--json", "as_json", is_flag=True)
 def command(peers: int, records: int, stores: int, concurrency: int, burst: int,
-            requests: int, interval_ms: float, window: int, as_json: bool) -> None:
+            requests: int, interval_ms: float, window: int, rank_scheduler: str,
+            as_json: bool) -> None:
     """Replication vs one local store and raw TCP; requests and memory in a burst."""
     ranks = peers + 1
-    out: dict[str, Any] = {"ranks": ranks, "cpus": os.cpu_count()}
-    with tempfile.TemporaryDirectory() as tmp, Worker(ranks=ranks) as w:
+    out: dict[str, Any] = {"ranks": ranks, "cpus": os.cpu_count(),
+                           "rank_scheduler": rank_scheduler}
+    with (tempfile.TemporaryDirectory() as tmp,
+          Worker(ranks=ranks, rank_scheduler=rank_scheduler) as w):
         out["small"] = _small(w, tmp, records, window, ranks)
         out["store_1mib"] = _stores(w, tmp, stores, window, concurrency)
         out.update(_burst(w, tmp, burst, window, ranks, requests, interval_ms / 1e3))
