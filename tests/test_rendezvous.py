@@ -176,7 +176,10 @@ def test_remove_failure_names_rank_tag_and_allocation(backend: str, tmp_path: Pa
             w.run(lambda o: [f.result() for f in [
                 o.submit(r, handshake, "release", 4, [0, 1], 5.0) for r in o.ranks]])
         msg = str(info.value)
-        assert "rank 0 (leader)" in msg and "'release'" in msg and "allocation 4" in msg
+        # the marker backend's leader removes every marker; in the store backend both
+        # ranks of two remove one key each (the last arrival, the last to leave)
+        who = "rank 0 (leader)" if backend == "marker" else "rank 0 could not remove"
+        assert who in msg and "'release'" in msg and "allocation 4" in msg
         assert "errno 5" in msg
 
 

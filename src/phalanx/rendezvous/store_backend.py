@@ -1,38 +1,54 @@
 """The TCP-store handshake backend: keys in torch's c10d ``TCPStore`` (multi-host).
 
-Rank 0 creates the store (torch's libuv server) and the others join it. Handshakes
-use the server's own barrier command, so the release is decided inside the server:
-one write and one wake per rank, no round trip between the last arrival and the
-release. torch's store-based barrier needs two to three round trips per rank, and
-leaves two keys behind per barrier; this leaves none.
+Rank 0 creates the store (torch's libuv server) and the others join it. Only torch's
+public ``Store`` API is used (``add``, ``set``, ``wait``, ``compare_set``,
+``delete_key``, ``check``, ``clone``), so any torch release that keeps that API works.
 
-Per handshake (alloc id A, tag T), on a pair of connections taken from a pool:
+A handshake (alloc id A, tag T, N participants) has two keys:
 
-* ``arrive`` sends ``add(mask, 1 << position)`` (who arrived: a timeout names the
-  missing; an abort adds a high bit, which the arrival reads in the reply) and
-  ``barrier(count, N)`` in one write, then waits for the barrier's wake.
-* ``abort`` waits on the rank's abort key of (A, T), which nobody writes unless the
-  handshake is aborted: :meth:`StoreBackend.abort` sets it for every participant, so
-  a waiter wakes at once. Only a rank still waiting after 2 ms watches it (two more
-  requests that tight loops never pay); the key is set, so it is seen however late.
-* The leader (first participant) deletes ``mask`` and ``count`` once released; the
-  delete replies are read before its next request on that connection (nothing can
-  overtake them), so the release path has no round trip at all.
+* ``arrivals`` (an int64): bit *i* is participant *i*'s arrival; bit 62 is ABORTED.
+* ``release`` (an int64): written once, when the handshake is decided: ``GO`` or
+  ``ABORT`` in its high half, and in its low half the number of participants that
+  have read it (departed).
 
-Consistency under aborts and timeouts: a rank that gives up (aborted, or at its
-deadline) first deletes ``count``, then cancels its wait, and reads what comes back.
-A wake before the cancel's reply means the barrier completed before the delete: every
-participant was released, so this rank returns success too. Otherwise the count it
-contributed is gone and the barrier can never complete: it raises, and (at a
-deadline) sets the others' abort keys so they give up now rather than at theirs. So
-no rank succeeds where another gave up: an aborted handshake refuses its arrivals
-unless it completes with them, and then it completes for all. A rank that loses its
-connection mid-handshake withdraws through torch's client the same way.
+Round trips per participant, on the way through:
+
+* arrive: ``add(arrivals, 1 << i)``. Its reply says whether this is the last arrival.
+* the last arrival *sets* ``release = GO + 1`` (one-way: torch's ``set`` has no reply)
+  and deletes ``arrivals`` (one round trip): every other participant already arrived,
+  so nobody adds to it again.
+* the others ``wait([release])`` (woken by the set) and depart with
+  ``add(release, 1)``, whose reply is the outcome; the one that counts N deletes
+  ``release``: every participant has read it, nobody reads it again.
+
+So the last arrival pays two round trips and a send, the others two plus the wake
+(and the last to leave one more); torch's store barrier pays three or four and leaves
+two keys behind per barrier. This leaves none.
+
+Aborts and timeouts. Consistency invariant, on the ``arrivals`` key: ABORTED is set
+only by a ``compare_set`` that saw some arrival bit missing (and no ABORTED), and
+arrival bits are only ever added. So "every arrival bit without ABORTED" and
+"ABORTED" exclude each other for ever: exactly one of them happens first, its author
+writes ``release`` (the last arrival with GO, the aborter with ABORT, create-only),
+and every participant's outcome is what ``release`` says. No participant succeeds
+where another gave up.
+
+* ``abort`` sets ABORTED unless every participant arrived, then creates ``release``:
+  waiters wake at once, a later arrival reads ABORTED in its ``add`` reply.
+* a participant that times out does the same: if every participant had arrived after
+  all, it succeeds with them; otherwise it has aborted the handshake, so the others
+  wake now rather than at their own deadlines, and its error names the ranks whose
+  bits were missing.
+* a participant that loses its connection before departing withdraws the same way on
+  a fresh one.
+
+What an abort leaves (keys of participants that never came) is removed by ``purge``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import hmac
 import logging
@@ -40,26 +56,28 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Any
 
-from ._errors import HandshakeError, HandshakeTimeoutError, TokenMismatchError
+from ._errors import (
+    HandshakeAbortedError,
+    HandshakeError,
+    HandshakeTimeoutError,
+    TokenMismatchError,
+)
 from .handshake import _REMOVE, _aborted, _check, _timeout, publish_point
-from .store_wire import STOP_WAITING, WAIT_CANCELED, StoreWire, WireError, wait_readable
 
 __all__ = ["StoreBackend", "job_prefix"]
 
 log = logging.getLogger("phalanx.rendezvous")
 
-_MAX_PARTICIPANTS = 56  # arrival bits of a signed 64-bit counter, under the abort bits
-_ABORTED = 1 << 56  # added to a mask by each abort: room for 127 of them
-_NO_VALUE = b"\x00"  # a value no key of ours holds: compare_set with it only reads
-_DELETE_REPLY = 8  # bytes: an int64 count
-# Most handshakes complete within a few hundred microseconds: only one still waiting
-# after this starts watching its abort key, which costs two more requests.
-_WATCH_ABORTS_AFTER_S = 0.002
-_GRACE_S = 5.0  # for the store's answers once a wait has given up
+_MAX_PARTICIPANTS = 56  # arrival bits of an int64 counter, under the ABORTED bit
+_ABORTED = 1 << 62  # on the arrivals key
+_GO = 1 << 32  # release's high half: the outcome; its low half counts departures
+_ABORT = 2 << 32
+_DEPARTED = (1 << 32) - 1
+_GRACE_S = 5.0  # for the store's answers, and for a decided release to appear
 
 
 def job_prefix(token: str, generation: str) -> str:
@@ -93,103 +111,75 @@ def _normal_scheduling() -> Iterator[None]:
         os.sched_setscheduler(0, policy, os.sched_param(0))
 
 
+class _Decision(enum.Enum):
+    """What an attempt to abort a handshake found on its arrivals key."""
+
+    ABORTED_NOW = "aborted now"  # this call set ABORTED: it must write the release
+    ABORTED_BEFORE = "aborted before"  # someone else did (and writes the release)
+    COMPLETE = "complete"  # every participant had arrived: released, not aborted
+    GONE = "gone"  # the key is deleted: its last arrival released it, then removed it
+
+
+class _Outcome(enum.Enum):
+    RELEASED = "released"
+    ABORTED = "aborted"
+
+
 @dataclass(frozen=True)
-class _Keys:
-    """The keys of one handshake."""
+class _Where:
+    """One participant in one handshake: what every error names."""
 
-    mask: str
-    count: str
-    abort_prefix: str
+    tag: str
+    alloc_id: int
+    rank: int
+    address: str
+    arrivals: str
+    release: str
 
-    def abort(self, rank: int) -> str:
-        return f"{self.abort_prefix}/{rank}"
-
-    def wake_others(self, participants: Sequence[int], rank: int) -> list[bytes]:
-        """Requests that set every other participant's abort key (one-way)."""
-        return [StoreWire.set_req(self.abort(r), b"1") for r in participants if r != rank]
-
-
-@dataclass
-class _Pair:
-    """Two connections: one waits on the barrier, one on the abort key (a connection
-    waits for one thing at a time)."""
-
-    arrive: StoreWire
-    abort: StoreWire
-    abort_armed: bool = False  # a wait on an abort key is registered: cancel it next time
-
-    def close(self) -> None:
-        self.arrive.close()
-        self.abort.close()
+    def error(self, what: str) -> HandshakeError:
+        return HandshakeError(f"handshake {self.tag!r} of allocation {self.alloc_id}: rank "
+                              f"{self.rank} {what} (TCP store at {self.address})")
 
 
 @dataclass
+class _Progress:
+    """How far this participant got: what a withdrawal must undo."""
+
+    arrived: int | None = None  # the arrivals key's value its arrival made
+    departed: bool = False
+
+
 class _Pool:
-    """Idle pairs. A handshake takes one (or connects a new one) and gives it back, so
-    pairs scale with concurrent handshakes (tasks of concurrent runs), not threads. A
-    pair whose state is unknown after an error is dropped, never given back."""
+    """Idle clones of the store, one connection each: a ``wait`` holds its connection,
+    so each concurrent handshake (tasks of concurrent runs) needs its own. A clone
+    whose state is unknown after an error is dropped, never given back."""
 
-    host: str
-    port: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    idle: list[_Pair] = field(default_factory=list)
-    closed: bool = False
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._idle: list[Any] = []
+        self._closed = False
 
-    def take(self, deadline: float) -> _Pair:
-        with self.lock:
-            if self.idle:
-                return self.idle.pop()
-        timeout = max(0.001, deadline - time.monotonic())
-        arrive = StoreWire.connect(self.host, self.port, timeout)
-        try:
-            timeout = max(0.001, deadline - time.monotonic())
-            return _Pair(arrive, StoreWire.connect(self.host, self.port, timeout))
-        except BaseException:
-            arrive.close()
-            raise
+    def take(self) -> Any:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            if self._closed:
+                raise HandshakeError("the TCP store backend is closed")
+            clone = self._store.clone()
+        clone.set_timeout(timedelta(seconds=_GRACE_S))  # every reply but a wait's
+        return clone
 
-    def give(self, pair: _Pair) -> None:
-        with self.lock:
-            if not self.closed:
-                self.idle.append(pair)
-                return
-        pair.close()
-
-    def settle(self, deadline: float) -> None:
-        """Read the owed replies of the idle pairs, so the deletes they sent have been
-        applied (a pair in a handshake has read its own before anything else)."""
-        with self.lock:
-            pairs, self.idle = self.idle, []
-        error: BaseException | None = None
-        for pair in pairs:
-            if error is None:
-                try:
-                    pair.arrive.pay_debts(deadline)
-                except BaseException as exc:  # noqa: BLE001  raised once the rest are back
-                    pair.close()
-                    error = exc
-                    continue
-            self.give(pair)
-        if error is not None:
-            raise error
+    def give(self, clone: Any) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(clone)
 
     def close(self) -> None:
-        """Close the idle pairs; one in a handshake closes when given back."""
-        with self.lock:
-            self.closed = True
-            pairs, self.idle = self.idle, []
-        for pair in pairs:
-            pair.close()
-
-
-@dataclass(frozen=True)
-class _Aborted:
-    """Woken by an abort (or refused at arrival), and the barrier did not complete."""
-
-
-@dataclass(frozen=True)
-class _TimedOut:
-    mask: int  # arrivals when this rank gave up
+        """Drop the idle clones; one in a handshake is dropped when given back."""
+        with self._lock:
+            self._closed = True
+            self._idle.clear()
 
 
 class StoreBackend:
@@ -205,14 +195,21 @@ class StoreBackend:
 
     def __init__(self, host: str, port: int, token: str, generation: str, *, is_master: bool,
                  timeout: float = 60.0) -> None:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+        from torch.distributed import (  # type: ignore[attr-defined]
+            DistError,
+            DistStoreError,
+            TCPStore,
+        )
 
+        self._dist_error: type[Exception] = DistError
+        self._store_error: type[Exception] = DistStoreError  # what a wait's timeout raises
         self.prefix = job_prefix(token, generation)
-        # libuv: its server has the barrier command the handshake is built on
         with _normal_scheduling():  # the server thread takes its creator's policy
             self.store = TCPStore(host, port, None, is_master, timedelta(seconds=timeout),
                                   wait_for_workers=False, use_libuv=True)
+        self.host = host
         self.port = int(self.store.port)
+        self.address = f"{host}:{self.port}"
         job_key = f"{self.prefix}/job"
         if is_master:
             self.store.set(job_key, "1")
@@ -220,183 +217,217 @@ class StoreBackend:
             raise TokenMismatchError(
                 f"the TCP store at {host}:{port} holds no job for this job token and generation "
                 f"{generation}: refused. Check PHALANX_JOB_TOKEN and the store address")
-        self._pool = _Pool(host, self.port)
-        # one pair now: the server resolves each new peer's name as it accepts it,
-        # which is better paid at start-up than inside a handshake
-        self._pool.give(self._pool.take(time.monotonic() + timeout))
+        self._lock = threading.Lock()  # for self.store: abort, purge and counts
+        self._pool = _Pool(self.store)
+        # one clone now: the server resolves each new peer's name as it accepts it
+        # (~0.2 s here), which is better paid at start-up than inside a handshake
+        self._pool.give(self._pool.take())
 
-    def _keys(self, alloc_id: int, tag: str) -> _Keys:
+    def _where(self, tag: str, alloc_id: int, rank: int) -> _Where:
         base = f"{self.prefix}/hs/{alloc_id}/{tag}"
-        return _Keys(f"{base}/mask", f"{base}/count", f"{base}/abort")
+        return _Where(tag, alloc_id, rank, self.address, f"{base}/arrivals", f"{base}/release")
 
+    # -- the handshake ---------------------------------------------------------------
     def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
                   timeout: float) -> None:
         _check(tag, participants, rank)
         if len(participants) > _MAX_PARTICIPANTS:
             raise HandshakeError(f"the store backend handshakes at most {_MAX_PARTICIPANTS} "
                                  f"participants, not {len(participants)}")
-        keys = self._keys(alloc_id, tag)
+        where = self._where(tag, alloc_id, rank)
         deadline = time.monotonic() + timeout
         publish_point(tag, alloc_id, rank)
+        position, n = participants.index(rank), len(participants)
+        progress = _Progress()
         try:
-            pair = self._pool.take(deadline)
-        except WireError as exc:
-            raise HandshakeError(f"handshake {tag!r} of allocation {alloc_id}: rank {rank} "
-                                 f"cannot reach the TCP store: {exc}") from exc
+            store = self._pool.take()
+        except self._dist_error as exc:
+            raise where.error(f"cannot reach the TCP store: {exc}") from exc
         try:
-            outcome = self._meet(pair, keys, participants, rank, deadline)
-            if outcome is True and rank == participants[0]:
-                self._remove(pair, keys, tag, alloc_id, rank)
-        except BaseException as exc:
-            pair.close()  # its replies are out of step now: never reused
-            if isinstance(exc, WireError):
-                withdrawn = self._withdraw(keys, participants, rank)
-                raise HandshakeError(
-                    f"handshake {tag!r} of allocation {alloc_id}: rank {rank} lost the TCP "
-                    f"store mid-handshake ({exc}); " + (
-                        "its arrival is withdrawn and the others are told to give up (had "
-                        "every participant arrived before, they were released)" if withdrawn
-                        else "its arrival could not be withdrawn either: the others may "
-                        "still complete the handshake without it. Check the store's host "
-                        "(rank 0) and the network")) from exc
+            outcome = self._meet(store, where, n, position, deadline, progress)
+        except HandshakeError:
+            self._pool.give(store)  # raised between requests: the connection is in step
             raise
-        self._pool.give(pair)
-        if isinstance(outcome, _Aborted):
-            raise _aborted(tag, alloc_id, rank)
-        if isinstance(outcome, _TimedOut):
-            if outcome.mask >= _ABORTED:
-                raise _aborted(tag, alloc_id, rank)
-            missing = [r for i, r in enumerate(participants) if not outcome.mask >> i & 1]
-            if missing:
-                raise _timeout("arrival", tag, alloc_id, rank, missing, timeout)
-            raise HandshakeTimeoutError(
-                f"handshake {tag!r} of allocation {alloc_id}: rank {rank} waited {timeout:g}s "
-                f"at arrival; every participant arrived, but one gave up before the last "
-                f"one came (its own error names why)", [])
+        except self._dist_error as exc:
+            # the clone's state is unknown, so it is dropped: withdraw on a fresh one
+            outcome = self._withdraw(where, n, progress, exc)
+        else:
+            self._pool.give(store)
+        # (any other exception drops the clone too: a request may be half done)
+        if outcome is _Outcome.ABORTED:
+            raise _aborted_error(where)
+        if isinstance(outcome, list):  # this rank timed out and aborted: who was missing
+            missing = [participants[i] for i in outcome]
+            error = _timeout("arrival", tag, alloc_id, rank, missing, timeout)
+            raise HandshakeTimeoutError(f"{error} (TCP store at {self.address})", missing)
 
-    @staticmethod
-    def _remove(pair: _Pair, keys: _Keys, tag: str, alloc_id: int, rank: int) -> None:
-        """The leader, released: delete the handshake's keys (replies read later)."""
-        try:
-            _REMOVE.hit()
-        except OSError as err:
-            raise HandshakeError(
-                f"rank {rank} (leader) could not remove the keys of handshake {tag!r} of "
-                f"allocation {alloc_id}: errno {err.errno} ({err.strerror})") from err
-        pair.arrive.send(StoreWire.delete_req(keys.mask), StoreWire.delete_req(keys.count))
-        pair.arrive.owed += 2 * _DELETE_REPLY
-
-    def _meet(self, pair: _Pair, keys: _Keys, participants: Sequence[int], rank: int,
-              deadline: float) -> Literal[True] | _Aborted | _TimedOut:
-        """Arrive and wait: True once released; otherwise this rank's arrival no longer
-        counts, and the others are told to give up too."""
-        arrive, abort = pair.arrive, pair.abort
-        arrive.send(StoreWire.add_req(keys.mask, 1 << participants.index(rank)),
-                    StoreWire.barrier_req(keys.count, len(participants)))
-        grace = max(deadline, time.monotonic()) + _GRACE_S  # replies due at once
-        arrive.pay_debts(grace)
-        if arrive.read_i64(grace) >= _ABORTED:  # aborted before this arrival
-            return True if self._give_up(arrive, keys, grace) else _Aborted()
-        if wait_readable([arrive], min(deadline, time.monotonic() + _WATCH_ABORTS_AFTER_S)):
-            arrive.read_wake(grace)
-            return True
-        # Still waiting: watch this handshake's abort key too. An abort *sets* it, so
-        # one that came before this wait is seen at once. (A wait still registered by an
-        # earlier handshake is cancelled first: a connection waits for one thing.)
-        abort.send(*([StoreWire.cancel_wait_req()] if pair.abort_armed else []),
-                   StoreWire.wait_req(keys.abort(rank)))
-        if pair.abort_armed:
-            _read_cancel(abort, grace)
-        pair.abort_armed = True
-        ready = wait_readable([arrive, abort], deadline)
-        grace = max(deadline, time.monotonic()) + _GRACE_S
-        if arrive in ready:
-            arrive.read_wake(grace)
-            return True
-        if abort in ready:
-            abort.read_wake(grace)
-            pair.abort_armed = False  # the wake consumed the wait
-            return True if self._give_up(arrive, keys, grace) else _Aborted()
-        if self._give_up(arrive, keys, grace):
-            return True
-        # the barrier cannot complete now: wake the others rather than let them wait
-        arrive.send(*keys.wake_others(participants, rank))
-        return _TimedOut(self._peek(arrive, keys.mask, grace))
-
-    @staticmethod
-    def _give_up(arrive: StoreWire, keys: _Keys, deadline: float) -> bool:
-        """Delete the count, then cancel the wait: True if the barrier completed first."""
-        arrive.send(StoreWire.delete_req(keys.count), StoreWire.cancel_wait_req())
-        head = arrive.read(_DELETE_REPLY + 1, deadline)
-        if head[-1] == WAIT_CANCELED:  # [delete reply][canceled]: no wake came
-            return False
-        # [wake][delete reply ... ] (the delete reply's last byte is 0): read the rest
-        if head[0] != STOP_WAITING or arrive.read(1, deadline)[0] != WAIT_CANCELED:
-            raise WireError(f"the TCP store at {arrive.address} answered a cancel with "
-                            f"{head!r}")
-        return True
-
-    def _withdraw(self, keys: _Keys, participants: Sequence[int], rank: int) -> bool:
-        """After losing the connection mid-handshake, on a fresh one: take every arrival
-        back (the barrier can no longer complete) and wake the others. Best effort,
-        within a few seconds: if the store is gone, so is the handshake."""
-        deadline = time.monotonic() + _GRACE_S
-        try:
-            wire = StoreWire.connect(self._pool.host, self._pool.port, _GRACE_S)
+    def _meet(self, store: Any, where: _Where, n: int, position: int, deadline: float,
+              progress: _Progress) -> _Outcome | list[int]:
+        """Arrive, wait, depart: the outcome, or (when this rank timed out and aborted
+        the handshake) the participant positions' ranks that had not arrived."""
+        full = (1 << n) - 1
+        seen = int(store.add(where.arrivals, 1 << position))
+        progress.arrived = seen
+        if seen & _ABORTED:  # aborted before this arrival: read the release, leave
+            return self._depart_decided(store, where, n, progress)
+        if seen & full == full:  # the last arrival: released
+            store.set(where.release, str(_GO + 1))  # one-way; wakes every waiter
+            progress.departed = True  # counted in the release's departures already
+            self._remove(store, where, [where.arrivals, *([where.release] if n == 1 else [])])
+            return _Outcome.RELEASED
+        while True:
+            # at least 1 ms: torch reads a zero timeout as "wait for ever"
+            left = timedelta(seconds=max(0.001, deadline - time.monotonic()))
             try:
-                wire.send(StoreWire.delete_req(keys.count), *keys.wake_others(participants, rank))
-                wire.read_i64(deadline)
-            finally:
-                wire.close()
-        except WireError as exc:
-            log.warning("rank %d could not withdraw from handshake %s: %s", rank, keys.count,
-                        exc)
+                store.wait([where.release], left)
+            except self._store_error:  # a timeout (a lost connection is another error)
+                if time.monotonic() >= deadline - 0.001:  # torch rounds to milliseconds
+                    return self._give_up(store, where, n, progress)
+                continue
+            return self._depart(store, where, n, progress)
+
+    def _give_up(self, store: Any, where: _Where, n: int,
+                 progress: _Progress) -> _Outcome | list[int]:
+        """This rank's deadline passed: abort unless every participant arrived."""
+        decision, value = self._abort_unless_complete(store, where, n, progress.arrived)
+        outcome = self._depart_decided(store, where, n, progress)
+        if decision is _Decision.ABORTED_NOW:
+            return [i for i in range(n) if not value >> i & 1]  # positions; mapped below
+        return outcome
+
+    def _depart_decided(self, store: Any, where: _Where, n: int,
+                        progress: _Progress) -> _Outcome:
+        """Depart a handshake known to be decided, once its release is written (its
+        author writes it right after deciding)."""
+        if not self._release_appears(store, where):
+            raise where.error(f"found the handshake decided but no release written within "
+                              f"{_GRACE_S:g}s (the rank that decided it died?)")
+        return self._depart(store, where, n, progress)
+
+    def _depart(self, store: Any, where: _Where, n: int, progress: _Progress) -> _Outcome:
+        """Read the release and count this rank out; the last one out removes the keys."""
+        got = int(store.add(where.release, 1))
+        progress.departed = True
+        outcome = {_GO: _Outcome.RELEASED, _ABORT: _Outcome.ABORTED}.get(got & ~_DEPARTED)
+        if outcome is None:
+            raise where.error(f"read a release value {got} that no participant writes")
+        if got & _DEPARTED == n:  # everyone read it: nobody reads either key again
+            # (a released handshake's arrivals key went with its last arrival)
+            self._remove(store, where, [where.release, *(
+                [where.arrivals] if outcome is _Outcome.ABORTED else [])])
+        return outcome
+
+    def _abort_unless_complete(self, store: Any, where: _Where, n: int,
+                               known: int | None) -> tuple[_Decision, int]:
+        """Set ABORTED on the arrivals key unless every participant arrived (the
+        invariant in the module docstring), and write the release if this call set it.
+
+        ``known`` is the key's value as last seen (a compare_set that expects it never
+        creates the key); None creates the key if it is missing, so later arrivals are
+        refused. Each mismatch reads the value now; values only grow, and by at most one
+        arrival per participant, so this ends within N + 2 tries."""
+        full = (1 << n) - 1
+        expected = "" if known is None else str(known)
+        for _ in range(n + 2):
+            desired = str(int(expected or "0") | _ABORTED)
+            got = store.compare_set(where.arrivals, expected, desired).decode()
+            if got == desired:
+                # create-only: a release already written stays as it is
+                store.compare_set(where.release, "", str(_ABORT))
+                return _Decision.ABORTED_NOW, int(expected or "0")
+            if got == expected:  # expected a value, the key is missing: deleted
+                return _Decision.GONE, full
+            value = int(got)
+            if value & _ABORTED:
+                return _Decision.ABORTED_BEFORE, value
+            if value & full == full:
+                return _Decision.COMPLETE, value
+            expected = got
+        raise where.error(f"could not abort: its arrivals key kept changing ({n + 2} tries)")
+
+    def _withdraw(self, where: _Where, n: int, progress: _Progress,
+                  exc: Exception) -> _Outcome:
+        """The connection failed mid-handshake. On a fresh one, within a few seconds:
+        abort unless every participant arrived, then depart as everyone does. A
+        handshake that was released releases this rank too (consistency)."""
+        if progress.departed:
+            raise where.error(f"lost the TCP store after departing, while removing the "
+                              f"handshake's keys: {exc}") from exc
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        try:
+            fresh = TCPStore(self.host, self.port, None, False, timedelta(seconds=_GRACE_S),
+                             use_libuv=True)
+            if not fresh.check([where.release]):  # not decided yet (as far as seen)
+                decision, _ = self._abort_unless_complete(fresh, where, n, progress.arrived)
+                if (decision is _Decision.COMPLETE and progress.arrived is None
+                        and not self._release_appears(fresh, where)):
+                    # this rank's arrival was the last one and its reply was lost:
+                    # release the others as the last arrival does
+                    fresh.set(where.release, str(_GO + 1))
+                    progress.departed = True
+                    self._remove(fresh, where, [where.arrivals])
+                    return _Outcome.RELEASED
+            outcome = self._depart_decided(fresh, where, n, progress)
+        except self._dist_error as again:
+            log.warning("rank %d could not withdraw from handshake %r of allocation %d: %s",
+                        where.rank, where.tag, where.alloc_id, again)
+            raise where.error(
+                f"lost the TCP store mid-handshake ({exc}) and could not withdraw its "
+                f"arrival ({again}): the others may still complete without it. Check the "
+                f"store's host (rank 0) and the network") from exc
+        if outcome is _Outcome.RELEASED:
+            return outcome
+        raise where.error(f"lost the TCP store mid-handshake ({exc}); its arrival is "
+                          f"withdrawn and the others are told to give up") from exc
+
+    def _release_appears(self, store: Any, where: _Where) -> bool:
+        try:
+            store.wait([where.release], timedelta(seconds=_GRACE_S))
+        except self._store_error:
             return False
         return True
 
-    @staticmethod
-    def _peek(wire: StoreWire, key: str, deadline: float) -> int:
-        """A counter's value (0 if missing) without creating it: a ``compare_set`` that
-        expects a value no counter holds changes nothing."""
-        wire.send(StoreWire.compare_set_req(key, _NO_VALUE, _NO_VALUE))
-        got = wire.read_bytes(deadline)
-        return 0 if got == _NO_VALUE else int(got)
+    def _remove(self, store: Any, where: _Where, keys: list[str]) -> None:
+        """Delete keys nobody reads again (the failpoint is the leader's in the marker
+        backend: here, whoever the protocol makes the last reader)."""
+        for key in keys:
+            try:
+                _REMOVE.hit()
+            except OSError as err:
+                raise where.error(f"could not remove key {key!r} of the handshake: errno "
+                                  f"{err.errno} ({err.strerror})") from err
+            store.delete_key(key)
 
+    # -- the Backend protocol's other calls -------------------------------------------
     def abort(self, alloc_id: int, rank: int, tags: Sequence[str],
               participants: Sequence[int]) -> None:
-        """Mark each handshake aborted in its mask (an arrival reads it in the reply it
-        waits for anyway) and set every participant's abort key (a waiter wakes at once).
-        A rank refused this way gives up as at a timeout, so an arrival still completes
-        the handshake if it completes the barrier first: then every participant is
-        released, never only some."""
-        for tag in tags:
-            keys = self._keys(alloc_id, tag)
-            self.store.add(keys.mask, _ABORTED)
-            for r in participants:
-                self.store.set(keys.abort(r), "1")
+        """Abort each handshake that not every participant has reached: a waiter wakes
+        at once, a later arrival is refused; one already complete stays complete."""
+        with self._lock:
+            for tag in tags:
+                self._abort_unless_complete(self.store, self._where(tag, alloc_id, rank),
+                                            len(participants), None)
 
     def purge(self, alloc_id: int, tags: Sequence[str], participants: Sequence[int]) -> int:
         removed = 0
         for tag in tags:
-            keys = self._keys(alloc_id, tag)
-            names = [keys.mask, keys.count, *(keys.abort(r) for r in participants)]
-            removed += sum(int(self.store.delete_key(k)) for k in names)
+            where = self._where(tag, alloc_id, -1)
+            with self._lock:
+                removed += sum(int(self.store.delete_key(k))
+                               for k in (where.arrivals, where.release))
         return removed
 
     def live_markers(self) -> int:
-        """Keys of this job now, once every delete this rank sent has been applied."""
-        self._pool.settle(time.monotonic() + 30.0)
-        return int(self.store.num_keys())
+        """Keys of this job now (every delete is answered before its handshake returns)."""
+        with self._lock:
+            return int(self.store.num_keys())
 
     def close(self) -> None:
         self._pool.close()
         del self.store
 
 
-def _read_cancel(wire: StoreWire, deadline: float) -> None:
-    """The reply to a cancel: a wake that came first (at most one), then the cancel's."""
-    got = wire.read(1, deadline)
-    if got[0] == STOP_WAITING:
-        got += wire.read(1, deadline)
-    if got[-1] != WAIT_CANCELED:
-        raise WireError(f"the TCP store at {wire.address} answered a cancel with {got!r}")
+def _aborted_error(where: _Where) -> HandshakeAbortedError:
+    return HandshakeAbortedError(f"{_aborted(where.tag, where.alloc_id, where.rank)} "
+                                 f"(TCP store at {where.address})")
