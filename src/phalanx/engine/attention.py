@@ -50,13 +50,26 @@ class AttnMeta:
     write_pages: torch.Tensor    # [T] page of each new token
     write_slots: torch.Tensor    # [T] slot in that page
     prefill: list[ChunkMeta] = field(default_factory=list)
-    decode_rows: list[int] = field(default_factory=list)     # q index of each decode chunk
+    decode_rows: torch.Tensor | None = None    # [B] q index of each decode chunk
     decode_pages: torch.Tensor | None = None   # [B, max_pages] (padded with page 0)
     decode_mask: torch.Tensor | None = None    # [B, 1, 1, max_pages * page_tokens] bool
 
+    def to(self, device: torch.device | str) -> None:
+        """Move every tensor to ``device`` (in place)."""
+        for m in self.chunks:
+            m.block_table = m.block_table.to(device)
+            m.mask = None if m.mask is None else m.mask.to(device)
+        for name in ("write_pages", "write_slots", "decode_pages", "decode_rows",
+                     "decode_mask"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
 
-def build_meta(chunks: list[tuple[int, int, list[int]]], page_tokens: int) -> AttnMeta:
-    """Meta for chunks given as ``(start_pos, q_len, block_table)`` in token order."""
+
+def build_meta(chunks: list[tuple[int, int, list[int]]], page_tokens: int,
+               device: torch.device | str = "cpu") -> AttnMeta:
+    """Meta for chunks given as ``(start_pos, q_len, block_table)`` in token order, its
+    tensors on ``device`` (built on the host, moved once per step)."""
     metas: list[ChunkMeta] = []
     pages: list[int] = []
     slots: list[int] = []
@@ -86,9 +99,11 @@ def build_meta(chunks: list[tuple[int, int, list[int]]], page_tokens: int) -> At
         for i, m in enumerate(decode):
             padded[i, :len(m.block_table)] = m.block_table
         meta.decode_pages = padded
-        meta.decode_rows = [m.q_start for m in decode]
+        meta.decode_rows = torch.tensor([m.q_start for m in decode], dtype=torch.long)
         lens = torch.tensor([m.context for m in decode]).view(-1, 1, 1, 1)
         meta.decode_mask = torch.arange(width * page_tokens).view(1, 1, 1, -1) < lens
+    if torch.device(device).type != "cpu":
+        meta.to(device)
     return meta
 
 
@@ -116,9 +131,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
         pages = kv[meta.decode_pages]                     # [B, w, 2, pt, kvh, d]
         keys = pages[:, :, 0].reshape(b, -1, kv_heads, d).transpose(1, 2)
         vals = pages[:, :, 1].reshape(b, -1, kv_heads, d).transpose(1, 2)
-        rows = torch.tensor(meta.decode_rows) if b > 1 else meta.decode_rows[0]
+        rows = meta.decode_rows
+        assert rows is not None  # set with decode_pages
         qd = q[rows].view(b, heads, 1, d)
         o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=meta.decode_mask,
                                            scale=scale, enable_gqa=heads != kv_heads)
-        out[rows] = o.view(b, heads, d) if b > 1 else o.view(heads, d)
+        out[rows] = o.view(b, heads, d)
     return out

@@ -144,14 +144,18 @@ class Rotary(torch.nn.Module):
     """Rotary position embedding (the rotate-half form Hugging Face checkpoints use),
     with cos/sin tabled for every position up to ``max_model_len``."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         inv = rope_inv_freq(cfg)
         pos = torch.arange(cfg.max_model_len, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        # buffers, so that moving the model to a device moves the tables with it
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

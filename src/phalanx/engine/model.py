@@ -187,9 +187,11 @@ class CausalLM(torch.nn.Module):
         """One layer's KV pool on this rank: [pages, 2 (K, V), page_tokens, kv_heads, d]."""
         return (num_pages, 2, page_tokens, self.shard.kv_heads, self.cfg.head_dim)
 
-    def allocate_kv(self, num_pages: int, page_tokens: int) -> list[torch.Tensor]:
+    def allocate_kv(self, num_pages: int, page_tokens: int,
+                    device: torch.device | str = "cpu") -> list[torch.Tensor]:
         shape = self.kv_shape(num_pages, page_tokens)
-        return [torch.zeros(shape, dtype=self.dtype) for _ in range(self.cfg.num_layers)]
+        return [torch.zeros(shape, dtype=self.dtype, device=device)
+                for _ in range(self.cfg.num_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                 kv: list[torch.Tensor]) -> torch.Tensor:

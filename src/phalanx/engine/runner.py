@@ -51,8 +51,12 @@ class Runner:
     def __init__(self, model_dir: str | Path, comm: TPComm | None = None, *,
                  num_pages: int, page_tokens: int = 64, dtype: str | None = None,
                  max_model_len: int | None = None, vocab_parallel: bool = False,
-                 tier: PageTier | None = None, threads: int | None = None) -> None:
+                 tier: PageTier | None = None, threads: int | None = None,
+                 device: str = "cpu") -> None:
         self.comm: TPComm = comm or SoloComm()
+        # "cuda:N" runs the shard on that GPU (with TorchDistComm over NCCL for TP);
+        # written for it, tested here on CPU only
+        self.device = torch.device(device)
         self.threads = threads or intra_op_threads(self.comm.size)
         if threads:
             torch.set_num_threads(threads)
@@ -61,12 +65,15 @@ class Runner:
         self.model, self.report = CausalLM.from_pretrained(model_dir, self.cfg, self.comm,
                                                            vocab_parallel)
         self.model.eval()
+        if self.device.type != "cpu":
+            self.model.to(self.device)
         if num_pages < 1 or page_tokens < 1:
             raise EngineError(f"rank {self.comm.rank}: a KV pool needs num_pages >= 1 and "
                               f"page_tokens >= 1 (got {num_pages}, {page_tokens})")
         self.num_pages = num_pages
         self.page_tokens = page_tokens
-        self.kv: list[torch.Tensor] = self.model.allocate_kv(num_pages, page_tokens)
+        self.kv: list[torch.Tensor] = self.model.allocate_kv(num_pages, page_tokens,
+                                                             self.device)
         self.tier = tier
         self.closed = False
 
@@ -92,15 +99,17 @@ class Runner:
     def read_pages(self, page_ids: Sequence[int]) -> torch.Tensor:
         """The bytes of ``page_ids`` on this rank: uint8 [n, page_bytes]."""
         self._check_pages(page_ids)
-        idx = torch.tensor(list(page_ids), dtype=torch.long)
+        idx = torch.tensor(list(page_ids), dtype=torch.long, device=self.device)
         n = len(page_ids)
-        return torch.cat([layer[idx].view(n, -1).view(torch.uint8) for layer in self.kv], dim=1)
+        out = torch.cat([layer[idx].view(n, -1).view(torch.uint8) for layer in self.kv], dim=1)
+        return out.cpu()
 
     def write_pages(self, page_ids: Sequence[int], data: torch.Tensor) -> None:
         """Set ``page_ids`` from ``data`` uint8 [n, page_bytes] (the disk tier's bytes)."""
         self._check_pages(page_ids)
-        idx = torch.tensor(list(page_ids), dtype=torch.long)
+        idx = torch.tensor(list(page_ids), dtype=torch.long, device=self.device)
         n = len(page_ids)
+        data = data.to(self.device)
         per = data.shape[1] // len(self.kv)
         for i, layer in enumerate(self.kv):
             part = data[:, i * per:(i + 1) * per].contiguous().view(layer.dtype)
@@ -178,11 +187,13 @@ class Runner:
         if max(pos) >= self.cfg.max_model_len:
             raise EngineError(f"step {plan.step}: position {max(pos)} is beyond max_model_len "
                               f"{self.cfg.max_model_len}")
-        meta = build_meta(spans, self.page_tokens)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long),
-                            torch.tensor(pos, dtype=torch.long), meta, self.kv)
+        meta = build_meta(spans, self.page_tokens, self.device)
+        dev = self.device
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                            torch.tensor(pos, dtype=torch.long, device=dev), meta, self.kv)
         if sample_only:
-            hidden = hidden[torch.tensor(rows, dtype=torch.long)] if rows else hidden[:0]
+            hidden = (hidden[torch.tensor(rows, dtype=torch.long, device=dev)] if rows
+                      else hidden[:0])
         return hidden, rows, specs, seqs
 
     def _saves(self, plan: StepPlan) -> None:
