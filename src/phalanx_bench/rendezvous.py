@@ -4,9 +4,10 @@ Every system runs the same thing in its own rank processes: N back-to-back
 handshakes (barriers) among all ranks, each with a fresh id as a domain allocation
 would have, in --rounds rounds that visit every system in turn (a fresh Worker, and
 store, per system and round), so the drift of a shared VM hits all of them alike.
-torch's side is its store-based barrier (``_store_based_barrier``, what
-``new_group`` runs) over a ``FileStore`` and a ``TCPStore``, with a fresh group name
-per barrier as ``new_group`` uses. Rank 0's per-handshake times are reported.
+torch's side is its store-based barrier (what ``new_group`` runs) over a ``FileStore``
+and a ``TCPStore``, with a fresh group name per barrier as ``new_group`` uses: a
+private torch function, so it is called from :mod:`phalanx_bench.anchors.torch_store`;
+this module uses phalanx's public API only. Rank 0's per-handshake times are reported.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,8 +25,7 @@ from phalanx.rendezvous import BACKENDS, handshake, live_markers
 from phalanx.runtime import Orchestrator, Worker
 
 from ._stats import emit, percentile
-
-_TORCH_STORE: dict[str, Any] = {}  # rank-local: the torch store under test
+from .anchors import torch_store
 
 
 def _phalanx_loop(first: int, n: int, ranks: list[int]) -> tuple[list[float], int]:
@@ -36,35 +35,6 @@ def _phalanx_loop(first: int, n: int, ranks: list[int]) -> tuple[list[float], in
         handshake("bench", i, ranks)
         samples.append(time.perf_counter() - t0)
     return samples, live_markers()
-
-
-def _torch_open(kind: str, rank: int, world: int, path: str, port: int) -> int:
-    import torch.distributed as dist
-
-    if kind == "filestore":
-        _TORCH_STORE["store"] = dist.FileStore(path, world)  # type: ignore[attr-defined]
-        return 0
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,  # type: ignore[attr-defined]
-                          timedelta(seconds=60), wait_for_workers=False)
-    _TORCH_STORE["store"] = store
-    return int(store.port)
-
-
-def _torch_loop(first: int, n: int, rank: int, world: int) -> tuple[list[float], int]:
-    from torch.distributed.distributed_c10d import _store_based_barrier
-
-    store = _TORCH_STORE["store"]
-    samples = []
-    for i in range(first, first + n):
-        t0 = time.perf_counter()
-        _store_based_barrier(rank, store, f"bench{i}", world,  # type: ignore[arg-type]
-                             timedelta(seconds=60))
-        samples.append(time.perf_counter() - t0)
-    return samples, int(store.num_keys())
-
-
-def _torch_close() -> None:
-    _TORCH_STORE.clear()
 
 
 def _figures(samples: list[float], left: int, left_after_close: int) -> dict[str, float]:
@@ -102,12 +72,13 @@ def _torch_round(kind: str, ranks: int, first: int, n: int,
     path = str(tmp / "torch-filestore")
 
     def orch(o: Orchestrator) -> tuple[list[float], int]:
-        port = o.submit(0, _torch_open, kind, 0, ranks, path, 0).result()
-        for f in [o.submit(r, _torch_open, kind, r, ranks, path, port) for r in o.ranks[1:]]:
+        port = o.submit(0, torch_store.open_store, kind, 0, ranks, path, 0).result()
+        for f in [o.submit(r, torch_store.open_store, kind, r, ranks, path, port)
+                  for r in o.ranks[1:]]:
             f.result()
-        futures = [o.submit(r, _torch_loop, first, n, r, ranks) for r in o.ranks]
+        futures = [o.submit(r, torch_store.barriers, first, n, r, ranks) for r in o.ranks]
         result: tuple[list[float], int] = [f.result() for f in futures][0]  # noqa: RUF015
-        for f in [o.submit(r, _torch_close) for r in o.ranks]:
+        for f in [o.submit(r, torch_store.close) for r in o.ranks]:
             f.result()
         return result
 
