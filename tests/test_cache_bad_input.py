@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from phalanx.kvstore import (
     RecordCorruptError,
     StoreClosedError,
     StoreLockedError,
+    StoreOptions,
 )
 from phalanx.kvstore.audit import inspect_directory
 from phalanx.kvstore.snapshot import SEAL_NAME
@@ -273,3 +275,14 @@ def test_a_staging_entry_that_is_not_a_directory_of_ours_is_refused(
     (d / ".staging").unlink()
     s = stores.open(d)  # removed: the next open makes its own (and the lock was released)
     assert s.check() == [] and victim.exists()
+
+
+@pytest.mark.parametrize("knobs", [
+    {"capacity_bytes": 0}, {"capacity_bytes": 1, "max_jobs_per_poll": 0},
+    {"capacity_bytes": 1, "open_files": -1}, {"capacity_bytes": 1, "io_threads": 0},
+    {"capacity_bytes": 1, "bad_files": "shred"},
+], ids=["capacity", "max_jobs_per_poll", "open_files", "io_threads", "bad_files"])
+def test_a_bad_knob_is_refused_where_the_options_are_written(knobs: dict[str, Any]) -> None:
+    name = next(k for k in reversed(knobs))
+    with pytest.raises(ValueError, match=name):
+        StoreOptions(**knobs)

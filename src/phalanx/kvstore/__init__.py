@@ -2,9 +2,10 @@
 
 :class:`DiskStore` keeps a record per stored span of pages in one directory: recovered
 at open, capped, aged and compacted by ``poll()`` in bounded bursts, audited by
-``check()``. It knows nothing of ranks, peers or networks; the maintenance
-:class:`Job` messages are what a replication layer above carries between ranks. Imports
-only :mod:`phalanx.lifecycle` (and no torch: tensors are accepted lazily).
+``check()``; its tuning knobs are one frozen :class:`StoreOptions`. It knows nothing
+of ranks, peers or networks; the maintenance :class:`Job` messages are what a
+replication layer above carries between ranks. Imports only :mod:`phalanx.lifecycle`
+(and no torch: tensors are accepted lazily).
 """
 
 from ._errors import (
