@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import pickle
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import phalanx
 from phalanx.lifecycle.failpoints import ENV_VAR as FAILPOINTS_ENV
 from phalanx.lifecycle.failpoints import encode_env
 
-from .channel import DEFAULT_MAX_MESSAGE_BYTES
+from ._errors import RankDiedError, RankHungError, RankStartError
+from .channel import DEFAULT_MAX_MESSAGE_BYTES, Kind
 
-__all__ = ["RankProcess", "describe_exit"]
+__all__ = ["RankProcess", "describe_exit", "shutdown"]
+
+log = logging.getLogger("phalanx.runtime")
 
 _STDERR_TAIL_LINES = 40
 
@@ -89,6 +98,27 @@ class RankProcess:
         self.pid = self.proc.pid
         self._tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
         self._tail_lock = threading.Lock()
+        # start-up frames (HELLO, READY) or (None, the error) if it died, from the hub
+        self.startup: queue.Queue[tuple[Kind | None, Any]] = queue.Queue()
+
+    def await_startup(self, want: Kind, deadline: float) -> Any:
+        """The payload of start-up frame ``want``; RankStartError naming why not."""
+        try:
+            kind, payload = self.startup.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise RankStartError(
+                f"rank {self.rank} (pid {self.pid}) did not send {want.name} before the start "
+                f"deadline; it {'is still running' if self.proc.poll() is None else 'exited'}. "
+                f"stderr tail:\n{self.stderr_tail() or '(empty)'}"
+            ) from None
+        if kind is None:
+            raise RankStartError(
+                f"{self.describe()} before it was ready. stderr tail:\n"
+                f"{self.stderr_tail() or '(empty)'}"
+            ) from payload
+        if kind is not want:
+            raise RankStartError(f"rank {self.rank} sent {kind.name} instead of {want.name}")
+        return pickle.loads(payload) if payload else None
 
     def remember_stderr(self, text: str) -> None:
         with self._tail_lock:
@@ -121,6 +151,34 @@ class RankProcess:
             name = f"signal {signo}"
         return f"rank {self.rank} (pid {self.pid}) is stopped by {name}"
 
+    def lost_error(self, stop_signal: int | None, closing: bool) -> RankDiedError:
+        """The error that fails what depended on this rank: hung (``stop_signal``), stopped
+        by close, or died; it names rank, pid and the signal or exit code."""
+        tail = f"stderr tail:\n{self.stderr_tail() or '(empty)'}"
+        if stop_signal is not None:
+            return RankHungError(
+                f"{self.describe_stopped(stop_signal)} with tasks outstanding past a task "
+                f"deadline: it is treated as dead; every task of every live run fails and "
+                f"close() kills it. {tail}", self.rank, None, self.pid, stop_signal)
+        if closing:
+            return RankDiedError(f"{self.describe()}: stopped by Worker.close(). {tail}",
+                                 self.rank, self.proc.poll(), self.pid)
+        return RankDiedError(
+            f"{self.describe()}: the rank died while tasks were outstanding; every task of "
+            f"every live run fails with this error. {tail}", self.rank, self.proc.poll(),
+            self.pid)
+
+    def flush_stderr(self) -> None:
+        """Keep what the rank wrote last (read without blocking; the hub forwards the rest)."""
+        stderr = self.proc.stderr
+        if stderr is None:
+            return
+        try:
+            while chunk := stderr.read1(1 << 16) if hasattr(stderr, "read1") else b"":
+                self.remember_stderr(chunk.decode(errors="replace"))
+        except (BlockingIOError, OSError, ValueError):
+            pass  # nothing more right now; the hub forwards the rest
+
     def wait_exit(self, timeout: float) -> int | None:
         try:
             return self.proc.wait(timeout)
@@ -135,3 +193,23 @@ class RankProcess:
         self.sock.close()
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+
+def shutdown(procs: list[RankProcess], ready: set[int], send_shutdown: Callable[[int], None],
+             time_left: Callable[[], float]) -> None:
+    """Ask every live rank to stop (SHUTDOWN) and wait until ``time_left()`` runs out;
+    SIGKILL what did not stop by then. A rank that never said READY, or that is stopped
+    by a signal, cannot stop gracefully: it is killed at once. The caller reaps."""
+    live = [p for p in procs if p.proc.poll() is None]
+    for p in live:
+        if p.rank not in ready or p.stop_signal() is not None:
+            p.kill()
+            continue
+        try:
+            send_shutdown(p.rank)
+        except OSError:
+            pass  # already gone; reaped by the caller
+    for p in live:
+        if p.wait_exit(time_left()) is None:
+            log.warning("%s did not stop by the close deadline: killing it", p.describe())
+            p.kill()

@@ -13,7 +13,6 @@ import itertools
 import logging
 import os
 import pickle
-import queue
 import secrets
 import sys
 import threading
@@ -21,8 +20,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import cloudpickle
 
 from phalanx.lifecycle import CleanupError, CleanupJournal, failpoints
 from phalanx.lifecycle.failpoints import Failpoint
@@ -40,20 +37,20 @@ from phalanx.rendezvous.sweep import DEFAULT_LEASE_EXPIRY_S
 
 from ._errors import (
     RankDiedError,
-    RankHungError,
     RankStartError,
     RemoteTaskError,
-    RemoteTraceback,
     RunSlotTimeoutError,
     RunsStuckError,
     WorkerClosedError,
     WorkerPoisonedError,
 )
 from .channel import DEFAULT_MAX_MESSAGE_BYTES, Kind, check_size, encode
+from .codec import decode_error, encode_task
 from .hub import Hub
-from .rank_process import RankProcess
+from .outstanding import Outstanding
+from .rank_calls import arm_in_ranks, close_services_here
+from .rank_process import RankProcess, shutdown
 from .run import Orchestrator, Run, RunHandle, RunState
-from .services import existing_rank_services
 from .stats import WorkerStats
 from .tasks import Outcome, TaskFuture
 
@@ -138,21 +135,14 @@ class Worker:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._run_ids = itertools.count(1)
-        self._tasks: dict[int, TaskFuture] = {}
+        self._outstanding = Outstanding()  # tasks still running, ranks lost
         self._runs: dict[int, Run] = {}  # admitted, not yet retired
         self._run_slots = threading.BoundedSemaphore(max_concurrent_runs)
-        # Invariant: a rank is in _lost once it died or hung (no new task reaches it, it
-        # is not alive); in _exited once its exit was handled (its own futures finished).
-        self._lost: dict[int, RankDiedError] = {}
-        self._exited: set[int] = set()
         self._call_ids = itertools.count(1)
         self._close_prepared = False
         self._procs: dict[int, RankProcess] = {}
         self._ready: set[int] = set()  # ranks that said READY: only they can stop gracefully
         self._send_locks = {r: threading.Lock() for r in self.ranks}
-        self._startup: dict[int, queue.Queue[tuple[Kind | None, Any]]] = {
-            r: queue.Queue() for r in self.ranks
-        }
         self._counts = dict.fromkeys(
             ("runs_admitted", "runs_retired", "runs_failed", "tasks_submitted",
              "tasks_succeeded", "tasks_failed"), 0)
@@ -188,7 +178,7 @@ class Worker:
             self._procs[r] = proc
             self._hub.add(r, proc.sock, proc.proc.stderr)
         _RANKS_SPAWNED.hit()
-        hellos = {r: self._await_startup(r, Kind.HELLO, deadline) for r in self.ranks}
+        hellos = {r: self._procs[r].await_startup(Kind.HELLO, deadline) for r in self.ranks}
         token = hellos[0][2]
         self.generation = token
         self._generation = Generation.create(self.runtime_dir, token)
@@ -203,7 +193,7 @@ class Worker:
             for r in group:
                 self._send(r, Kind.INIT, 0, init)
             for r in group:
-                ready = self._await_startup(r, Kind.READY, deadline)
+                ready = self._procs[r].await_startup(Kind.READY, deadline)
                 self._ready.add(r)
                 if r == 0 and ready["store_port"] is not None:
                     spec["port"] = ready["store_port"]
@@ -251,30 +241,10 @@ class Worker:
         except OSError:
             pass  # that rank is gone; its EOF is handled on its own
 
-    def _await_startup(self, rank: int, want: Kind, deadline: float) -> Any:
-        proc = self._procs[rank]
-        try:
-            kind, payload = self._startup[rank].get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise RankStartError(
-                f"rank {rank} (pid {proc.pid}) did not send {want.name} before the start "
-                f"deadline; it {'is still running' if proc.proc.poll() is None else 'exited'}. "
-                f"stderr tail:\n{proc.stderr_tail() or '(empty)'}"
-            ) from None
-        if kind is None:
-            raise RankStartError(
-                f"{proc.describe()} before it was ready. stderr tail:\n"
-                f"{proc.stderr_tail() or '(empty)'}"
-            ) from payload
-        if kind is not want:
-            raise RankStartError(f"rank {rank} sent {kind.name} instead of {want.name}")
-        return pickle.loads(payload) if payload else None
-
     # -- hub callbacks (hub thread) ---------------------------------------------------
     def _on_frame(self, rank: int, kind: Kind, msg_id: int, payload: bytes) -> None:
         if kind in (Kind.RESULT_OK, Kind.RESULT_ERR):
-            with self._lock:
-                fut = self._tasks.pop(msg_id, None)
+            fut = self._outstanding.pop(msg_id)
             if fut is None:
                 log.error("rank %d: reply for unknown task id %d", rank, msg_id)
                 return
@@ -293,7 +263,7 @@ class Worker:
                 # A peer's death often fails a task (a barrier notices it) before the
                 # dead rank's EOF is read: blame the death, not the symptom.
                 self._notice_exits()
-                fut.set_exception(self._decode_error(rank, fut, payload))
+                fut.set_exception(decode_error(rank, fut.name, fut.task_id, payload))
             if not fut.control:
                 self._count("tasks_failed")
         elif kind is Kind.RDV:
@@ -302,36 +272,22 @@ class Worker:
                                                              participants, who, timeout):
                 self._reply_rdv(r, rid, missing)
         else:
-            self._startup[rank].put((kind, payload))
-
-    def _decode_error(self, rank: int, fut: TaskFuture, payload: bytes) -> BaseException:
-        blob, tb = pickle.loads(payload)
-        try:
-            exc: BaseException = pickle.loads(blob)
-        except Exception as err:  # noqa: BLE001  exception class importable in the rank only
-            exc = RemoteTaskError(type(err).__name__, f"could not unpickle: {err}")
-        exc.__cause__ = RemoteTraceback(tb)
-        exc.add_note(f"raised by task {fut.name} (id {fut.task_id}) in rank {rank}")
-        return exc
+            self._procs[rank].startup.put((kind, payload))
 
     def _on_eof(self, rank: int) -> None:
         self._rank_lost(rank)
 
     def _notice_exits(self) -> None:
         for p in self._procs.values():
-            if p.rank not in self._exited and p.proc.poll() is not None:
+            if not self._outstanding.exited(p.rank) and p.proc.poll() is not None:
                 self._rank_lost(p.rank)
 
     def _check_hung(self, *, expired_only: bool = False) -> None:
         """The hung-rank rule: once a task deadline passes, a rank that is stopped (by a
         signal) with work outstanding is treated as dead (RankHungError)."""
-        now = time.monotonic()
-        with self._lock:
-            if self._state is not WorkerState.RUNNING:
-                return  # starting: the start deadline decides; closing: close() kills it
-            if expired_only and not any(f.deadline <= now for f in self._tasks.values()):
-                return
-            ranks = {f.rank for f in self._tasks.values()} - self._lost.keys()
+        if self._state is not WorkerState.RUNNING:
+            return  # starting: the start deadline decides; closing: close() kills it
+        ranks = self._outstanding.busy_ranks(time.monotonic() if expired_only else None)
         for rank in sorted(ranks):
             signo = self._procs[rank].stop_signal()
             if signo is not None:
@@ -350,68 +306,29 @@ class Worker:
         if stop_signal is None:
             proc.wait_exit(_EXIT_WAIT_S)
             if flush:
-                self._hub_flush_stderr(proc)
+                proc.flush_stderr()
         with self._lock:
-            if (rank in self._exited) if stop_signal is None else (rank in self._lost):
-                return
             closing = self._state in (WorkerState.CLOSING, WorkerState.CLOSED)
-            err = self._lost_error(proc, stop_signal, closing)
-            first = rank not in self._lost
-            self._lost.setdefault(rank, err)
-            own = [f for f in self._tasks.values() if f.rank == rank]
-            groups = {f.group for f in own if f.group}
-            dependents = [] if closing or not first else [
-                f for f in self._tasks.values()
-                if f.rank != rank and (f.run_id or f.group in groups)]
-            if stop_signal is None:
-                self._exited.add(rank)
-                for f in own:
-                    del self._tasks[f.task_id]
-            else:
-                dependents += own  # a stopped rank may run them yet: abandoned, not finished
-                own = []
-            if first and not closing and self._state is not WorkerState.STARTING \
-                    and self._poison is None:
-                self._poison = str(err).partition(". stderr tail")[0]
-        if first:
+        err = proc.lost_error(stop_signal, closing)
+        loss = self._outstanding.lose(rank, err, exited=stop_signal is None, spread=not closing)
+        if loss is None:
+            return
+        if loss.first:
+            with self._lock:
+                if not closing and self._state is not WorkerState.STARTING \
+                        and self._poison is None:
+                    self._poison = str(err).partition(". stderr tail")[0]
             for r, rid, missing in self._coordinator.abort_rank(rank):
                 self._reply_rdv(r, rid, missing)
             if not closing and self._state is WorkerState.RUNNING:
                 log.error("%s", err)
-        for f in own:
+        for f in loss.finish:
             f.set_exception(err)
             if not f.control:
                 self._count("tasks_failed")
-        for f in dependents:
+        for f in loss.abandon:
             f.abandon(err)
-        self._startup[rank].put((None, err))
-
-    @staticmethod
-    def _lost_error(proc: RankProcess, stop_signal: int | None,
-                    closing: bool) -> RankDiedError:
-        tail = f"stderr tail:\n{proc.stderr_tail() or '(empty)'}"
-        if stop_signal is not None:
-            return RankHungError(
-                f"{proc.describe_stopped(stop_signal)} with tasks outstanding past a task "
-                f"deadline: it is treated as dead; every task of every live run fails and "
-                f"close() kills it. {tail}", proc.rank, None, proc.pid, stop_signal)
-        if closing:
-            return RankDiedError(f"{proc.describe()}: stopped by Worker.close(). {tail}",
-                                 proc.rank, proc.proc.poll(), proc.pid)
-        return RankDiedError(
-            f"{proc.describe()}: the rank died while tasks were outstanding; every task of "
-            f"every live run fails with this error. {tail}", proc.rank, proc.proc.poll(),
-            proc.pid)
-
-    def _hub_flush_stderr(self, proc: RankProcess) -> None:
-        stderr = proc.proc.stderr
-        if stderr is None:
-            return
-        try:
-            while chunk := stderr.read1(1 << 16) if hasattr(stderr, "read1") else b"":
-                proc.remember_stderr(chunk.decode(errors="replace"))
-        except (BlockingIOError, OSError, ValueError):
-            pass  # nothing more right now; the hub forwards the rest
+        proc.startup.put((None, err))
 
     def _on_stderr(self, rank: int, text: str) -> None:
         self._procs[rank].remember_stderr(text)
@@ -502,8 +419,7 @@ class Worker:
 
     def alive_ranks(self) -> list[int]:
         """Ranks that have neither died nor hung (close steps address only these)."""
-        with self._lock:
-            return [r for r in self.ranks if r not in self._lost]
+        return self._outstanding.alive(self.ranks)
 
     def add_close_step(self, name: str, step: Callable[[], None]) -> None:
         """Add ``step`` to this worker's close journal. Steps run last-in first-out, so a
@@ -519,19 +435,16 @@ class Worker:
         if rank not in self._send_locks:
             raise ValueError(f"rank {rank} is not a rank of this worker (ranks {self.ranks})")
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        payload = _encode_task(fn, args, kwargs)
+        payload = encode_task(fn, args, kwargs)
         check_size(len(payload), self.max_message_bytes, f"task {name} for rank {rank}")
         fut = TaskFuture(rank, next(self._ids), name, 0 if run is None else run.run_id,
                          self.task_timeout if timeout is None else timeout, control, group,
                          self._check_hung)
         if run is not None:
             run.add_task(fut)
-        with self._lock:
-            dead = self._lost.get(rank)
-            if dead is None:
-                self._tasks[fut.task_id] = fut
-            if not control:
-                self._counts["tasks_submitted"] += 1
+        dead = self._outstanding.admit(fut)
+        if not control:
+            self._count("tasks_submitted")
         if dead is not None:
             fut.set_exception(dead)
             return fut
@@ -540,9 +453,8 @@ class Worker:
         except OSError as err:
             # The rank is gone. Its EOF handler may have failed the task already, or may
             # never run (close() unregisters stopped ranks): fail it here either way.
-            with self._lock:
-                self._tasks.pop(fut.task_id, None)
-                cause = self._lost.get(rank)
+            self._outstanding.pop(fut.task_id)
+            cause = self._outstanding.lost(rank)
             fut.set_exception(cause or RankDiedError(
                 f"rank {rank} (pid {self._procs[rank].pid}): its control channel is closed "
                 f"({err.strerror}); the rank is gone", rank, None, self._procs[rank].pid))
@@ -562,10 +474,10 @@ class Worker:
         """Arm failpoint ``name`` in rank processes (``ranks``: "all", an int or a list)."""
         targets = self.ranks if ranks == "all" else ([ranks] if isinstance(ranks, int) else ranks)
         failpoints.parse_spec(spec)
-        self.run(_arm_in_ranks, list(targets), name, spec)
+        self.run(arm_in_ranks, list(targets), name, spec)
 
     def disarm_failpoints(self) -> None:
-        self.run(_arm_in_ranks, list(self.ranks), None, None)
+        self.run(arm_in_ranks, list(self.ranks), None, None)
 
     # -- stats ------------------------------------------------------------------------
     def stats(self) -> WorkerStats:
@@ -636,14 +548,11 @@ class Worker:
         task may be using the domains and services the next steps release, and nothing
         else would ever stop it; a stopped rank cannot even take a close step."""
         grace_end = time.monotonic() + min(_ABANDONED_GRACE_S, self._close_left())
-        with self._lock:
-            stray = [f for f in self._tasks.values() if f.done()]
-        for f in stray:
+        for f in self._outstanding.decided():
             f.wait_finished(max(0.0, grace_end - time.monotonic()))
-        with self._lock:
-            doomed = {f.rank for f in self._tasks.values() if f.done()}
+        doomed = {f.rank for f in self._outstanding.decided()}
         doomed |= {r for r, p in self._procs.items()
-                   if r not in self._exited and p.stop_signal() is not None}
+                   if not self._outstanding.exited(r) and p.stop_signal() is not None}
         for r in sorted(doomed):
             log.warning("%s runs abandoned tasks or is stopped at close: killing it",
                         self._procs[r].describe())
@@ -668,7 +577,7 @@ class Worker:
         """Ask every live rank to close its rank services (phalanx.runtime.rank_services)
         before the ranks stop, so a failure is reported here rather than lost in a rank's
         log at its exit."""
-        outcomes = self.call_ranks(self.alive_ranks(), _close_services_here,
+        outcomes = self.call_ranks(self.alive_ranks(), close_services_here,
                                    timeout=_SERVICES_CLOSE_S)
         failures = {r: o.error for r, o in outcomes.items() if o.error is not None}
         for r, exc in failures.items():
@@ -680,23 +589,14 @@ class Worker:
 
     def _stop_ranks(self) -> None:
         _RANKS_STOPPING.hit()
-        live = [p for p in self._procs.values() if p.proc.poll() is None]
-        for p in live:
-            if p.rank not in self._ready or p.stop_signal() is not None:
-                p.kill()  # never served, or stopped: nothing can finish gracefully
-                continue
-            try:
-                self._send(p.rank, Kind.SHUTDOWN, 0, b"")
-            except OSError:
-                pass  # already gone; reaped below
-        for p in live:
-            if p.wait_exit(self._close_left()) is None:
-                log.warning("%s did not stop by the close deadline: killing it", p.describe())
-                p.kill()
+        shutdown(list(self._procs.values()), self._ready, self._send_shutdown, self._close_left)
         self._reap([p.rank for p in self._procs.values()])
         for p in self._procs.values():
             self._hub.remove(p.sock, p.proc.stderr)
             p.close_fds()
+
+    def _send_shutdown(self, rank: int) -> None:
+        self._send(rank, Kind.SHUTDOWN, 0, b"")
 
     def _join_runs(self) -> None:
         stuck = []
@@ -715,36 +615,3 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<Worker {self.generation} ranks={len(self.ranks)} {self._state.value}>"
-
-
-def _encode_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """The C pickler when ``fn`` lives in a module the rank can import by name (the common,
-    fast case: ~10x cheaper than cloudpickle); cloudpickle, which ships by value, for
-    functions of ``__main__``, lambdas, closures, and anything plain pickle refuses."""
-    module = sys.modules.get(getattr(fn, "__module__", None) or "__main__")
-    if module is not None and module.__name__ != "__main__" and module.__spec__ is not None:
-        try:
-            return pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-        except (pickle.PicklingError, AttributeError, TypeError):
-            pass
-    blob: bytes = cloudpickle.dumps((fn, args, kwargs))
-    return blob
-
-
-def _close_services_here() -> None:
-    """Runs in a rank: close its rank services, if it made any."""
-    registry = existing_rank_services()
-    if registry is not None:
-        registry.close_all()
-
-
-def _arm_in_ranks(o: Orchestrator, ranks: list[int], name: str | None, spec: str | None) -> None:
-    for f in [o.control(r, _arm_here, name, spec) for r in ranks]:
-        f.result()
-
-
-def _arm_here(name: str | None, spec: str | None) -> None:
-    if name is None:
-        failpoints.disarm_all()
-    else:
-        failpoints.arm(name, spec or "raise")
