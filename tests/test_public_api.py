@@ -69,7 +69,12 @@ PUBLIC: dict[str, list[str]] = {
         "LinkStalledError", "PeerJobError", "ReplicaDivergedError", "ReplicatedCache",
         "ReplicationError", "SyntheticSource", "rank_directories",
     ],
-    "phalanx.engine": [],
+    "phalanx.engine": [
+        "CompletionOutput", "Engine", "EngineConfig", "InMemoryTier", "LLM", "Logprob",
+        "PageLoad", "PageSave", "PrefixTier", "RequestOutput", "SamplingParams",
+        "SamplingSpec", "Scheduler", "SchedulerConfig", "SeqChunk", "StepPlan", "StepResult",
+        "TokenLogprobs",
+    ],
     "phalanx.serve": [],
     "phalanx.errors": [
         "BaseNotReadyError", "CacheError", "CapacityError", "CheckpointError", "CleanupError",

@@ -34,7 +34,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..kvstore.keys import ROOT_KEY, page_keys
+from ..kvstore import page_keys
 from ._errors import RequestError, SchedulerError
 from .kv_pages import PagePool
 from .plan import PageLoad, PageSave, SeqChunk, StepPlan, StepResult, TokenLogprobs
@@ -346,11 +346,11 @@ class Scheduler:
         have = len(chain)
         if n_pages > have:
             pt = self.config.page_tokens
-            parent = chain[-1] if chain else ROOT_KEY
-            chain.extend(page_keys(
-                seq.tokens_range(have * pt, n_pages * pt), pt, self.fingerprint,
-                parent=parent,
-            ))
+            tokens = seq.tokens_range(have * pt, n_pages * pt)
+            if chain:
+                chain.extend(page_keys(tokens, pt, self.fingerprint, parent=chain[-1]))
+            else:
+                chain.extend(page_keys(tokens, pt, self.fingerprint))
         return chain[:n_pages]
 
     def _preempt(self, seq: Sequence) -> None:

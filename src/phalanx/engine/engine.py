@@ -1,0 +1,443 @@
+"""The parent-side engine loop: admit, schedule, run one plan on every rank, finish.
+
+One :class:`Engine` owns a :class:`RankGroup` (a Worker with ``tensor_parallel_size``
+ranks; each rank holds a :class:`~phalanx.engine.runner.Runner` over a shared-memory TP
+domain) and a :class:`~phalanx.engine.scheduler.Scheduler`. :meth:`Engine.step` runs one
+step: the scheduler's plan is encoded once and sent to every rank, rank 0's sampled
+tokens come back, and each request is advanced: incremental detokenization, then EOS,
+stop token ids, stop strings, ``max_tokens`` and the context decide whether it ends.
+
+A rank that dies during a step fails every request in flight with an
+:class:`EngineDeadError` naming the rank, and poisons the engine: later calls raise the
+same error; :meth:`Engine.close` still releases everything.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import itertools
+import json
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..kvstore import fingerprint_digest
+from ._errors import EngineDeadError, EngineError, RequestError
+from .outputs import CompletionOutput, IncrementalDetokenizer, Logprob, RequestOutput
+from .plan import decode_result, encode_plan
+from .sampling import SamplingParams, StopChecker
+from .scheduler import PrefixTier, Sampled, Scheduler, SchedulerConfig
+from .sequence import FinishReason
+from .sequence import Sequence as Seq
+
+__all__ = ["Engine", "EngineConfig", "RankGroup", "TokenizerLike", "model_fingerprint"]
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_TP_WINDOW = 4 << 20          # per-rank staging window of the TP domain
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tensor_parallel_size: int = 1
+    page_tokens: int = 64
+    num_pages: int | None = None            # default: kv_cache_bytes worth per rank
+    kv_cache_bytes: int = 256 << 20
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    dtype: str | None = None
+    enable_prefix_caching: bool = True
+    step_timeout: float = 120.0
+    start_timeout: float = 120.0
+    seed: int = 0                          # unseeded requests draw from this on rank 0
+
+
+def model_fingerprint(model_dir: str | Path, config: dict[str, Any], tp: int,
+                      page_tokens: int) -> bytes:
+    """The root of the page-key chain: config, dtype, the weight files' headers and sizes,
+    TP size and page size. Stable across processes and restarts; never reads the weights."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    h.update(f"|tp={tp}|page={page_tokens}|".encode())
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        size = f.stat().st_size
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            header = fh.read(min(n, 64 << 20))
+        h.update(f"{f.name}:{size}:".encode())
+        h.update(header)
+    return fingerprint_digest(h.digest())
+
+
+# -- the rank side (module-level: tasks are shipped by reference) -------------------------
+
+def _rank_open(runner_id: str, model_dir: str, view: Any, kwargs: dict[str, Any],
+               seed: int) -> dict[str, Any]:
+    import torch
+
+    from .runner import open_runner
+    from .tp import DomainComm, SoloComm
+
+    torch.manual_seed(seed)
+    comm = DomainComm(view) if view is not None else SoloComm()
+    runner = open_runner(runner_id, model_dir, comm, **kwargs)
+    return runner.memory()
+
+
+def _rank_execute(runner_id: str, plan: bytes) -> bytes | None:
+    from .plan import decode_plan, encode_result
+    from .runner import get_runner
+
+    runner = get_runner(runner_id)
+    result = runner.execute(decode_plan(plan))
+    return encode_result(result) if runner.comm.rank == 0 else None
+
+
+def _rank_close(runner_id: str) -> None:
+    from .runner import close_runner
+
+    close_runner(runner_id)
+
+
+# -- the parent side ------------------------------------------------------------------
+
+_ids = itertools.count(1)
+
+
+class RankGroup:
+    """The TP ranks: one long-lived run holds the domain and the runners, serving steps.
+
+    :meth:`execute` hands one encoded plan to the run's thread, which submits it to every
+    rank and returns rank 0's encoded result. A failure (a dead rank, a failed task) is
+    raised to the caller and ends the run: the group is then dead.
+    """
+
+    def __init__(self, model_dir: str, tp: int, runner_kwargs: dict[str, Any], *,
+                 step_timeout: float, start_timeout: float, seed: int) -> None:
+        from phalanx.comm import Worker
+
+        self.tp = tp
+        self.runner_id = f"engine_{next(_ids)}"
+        self._step_timeout = step_timeout
+        self._jobs: queue.Queue[tuple[bytes, concurrent.futures.Future[bytes]] | None] = (
+            queue.Queue())
+        self._opened: concurrent.futures.Future[list[dict[str, Any]]] = (
+            concurrent.futures.Future())
+        self.dead: BaseException | None = None
+        self.worker = Worker(ranks=tp, task_timeout=step_timeout, start_timeout=start_timeout)
+        try:
+            self._handle = self.worker.submit(self._serve, model_dir, runner_kwargs, seed)
+            self.memory = self._opened.result(timeout=start_timeout)
+        except BaseException:
+            self._jobs.put(None)
+            self.worker.close()
+            raise
+
+    def _serve(self, o: Any, model_dir: str, kwargs: dict[str, Any], seed: int) -> None:
+        domain = None
+        opened = False
+        try:
+            if self.tp > 1:
+                domain = o.allocate_domain(f"{self.runner_id}_tp", ranks=list(o.ranks),
+                                           window_size=_TP_WINDOW)
+            futs = [o.submit(r, _rank_open, self.runner_id, model_dir, domain, kwargs, seed)
+                    for r in o.ranks]
+            mem = [f.result() for f in futs]
+            opened = True
+            self._opened.set_result(mem)
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    break
+                plan, fut = job
+                try:
+                    outs = [o.submit(r, _rank_execute, self.runner_id, plan) for r in o.ranks]
+                    first = outs[0].result()
+                    for f in outs[1:]:
+                        f.result()
+                except BaseException as exc:
+                    self.dead = exc
+                    fut.set_exception(exc)
+                    raise
+                fut.set_result(first)
+        except BaseException as exc:
+            self.dead = self.dead or exc
+            if not self._opened.done():
+                self._opened.set_exception(exc)
+            self._fail_queued(exc)
+            raise
+        finally:
+            if opened:
+                self._close_runners(o)
+            if domain is not None:
+                o.release_domain(domain)
+
+    def _close_runners(self, o: Any) -> None:
+        # The runners map the domain's windows: they must be gone before the domain's
+        # release (at this run's fence), on every rank still alive after a failure too.
+        alive = set(self.worker.alive_ranks())
+        futs = [o.submit(r, _rank_close, self.runner_id) for r in o.ranks if r in alive]
+        errors: list[BaseException] = []
+        for f in futs:
+            try:
+                f.result()
+            except Exception as exc:  # noqa: BLE001  collected, raised below unless dead
+                errors.append(exc)
+        if errors and self.dead is None:
+            raise EngineError(f"closing the runners failed on {len(errors)} rank(s): "
+                              f"{errors[0]!r}") from errors[0]
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job[1].set_exception(exc)
+
+    def execute(self, plan: bytes) -> bytes:
+        if self.dead is not None:
+            raise self.dead
+        fut: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        self._jobs.put((plan, fut))
+        # the tasks carry the step deadline; this one only backs it up
+        return fut.result(timeout=self._step_timeout * 2 + 30)
+
+    def close(self, timeout: float = 60.0) -> None:
+        self._jobs.put(None)
+        try:
+            self._handle.wait(timeout)
+        finally:
+            self.worker.close()
+
+
+class _Request:
+    __slots__ = ("cum_logprob", "detok", "error", "logprobs", "output", "prompt",
+                 "request_id", "sent", "seq", "stop")
+
+    def __init__(self, request_id: str, prompt: str | None, seq: Seq,
+                 decode: Callable[[list[int]], str] | None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.seq = seq
+        p = seq.params
+        self.detok = IncrementalDetokenizer(decode, seq.prompt_tokens) if decode else None
+        self.stop = StopChecker(p.stop_strings, p.include_stop_str_in_output)
+        self.logprobs: list[dict[int, Logprob]] | None = [] if p.logprobs is not None else None
+        self.cum_logprob: float | None = 0.0 if p.logprobs is not None else None
+        self.output = ""
+        self.sent = 0          # characters of output already streamed
+        self.error: BaseException | None = None
+
+
+class Engine:
+    """The engine loop over one rank group; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, tokenizer: TokenizerLike | None = None,
+                 tier: PrefixTier | None = None,
+                 eos_token_ids: Sequence[int] | None = None) -> None:
+        from .config import load_config
+
+        self.config = config
+        tp = config.tensor_parallel_size
+        if tp < 1:
+            raise EngineError(f"tensor_parallel_size={tp}: must be >= 1")
+        mcfg = load_config(config.model, max_model_len=config.max_model_len,
+                           dtype=config.dtype)
+        self.model_config = mcfg
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(mcfg.eos_token_ids if eos_token_ids is None
+                                   else eos_token_ids)
+        num_pages = config.num_pages or self._default_pages(mcfg.num_layers,
+                                                           mcfg.num_kv_heads, mcfg.num_heads,
+                                                           mcfg.head_dim, mcfg.dtype, tp)
+        self.max_model_len = mcfg.max_model_len
+        sched_cfg = SchedulerConfig(
+            num_pages=num_pages, page_tokens=config.page_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=mcfg.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            check_invariants=False,
+        )
+        self.fingerprint = model_fingerprint(config.model, mcfg.to_dict(), tp,
+                                             config.page_tokens)
+        self.scheduler = Scheduler(sched_cfg, self.fingerprint, tier)
+        kwargs: dict[str, Any] = {"num_pages": num_pages, "page_tokens": config.page_tokens,
+                                  "max_model_len": mcfg.max_model_len}
+        if config.dtype is not None:
+            kwargs["dtype"] = config.dtype
+        self.group = RankGroup(config.model, tp, kwargs, step_timeout=config.step_timeout,
+                               start_timeout=config.start_timeout, seed=config.seed)
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self._dead: EngineDeadError | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _default_pages(self, layers: int, kv_heads: int, heads: int, head_dim: int,
+                       dtype: str, tp: int) -> int:
+        local = kv_heads // tp if kv_heads % tp == 0 else -(-heads // tp)
+        page = layers * 2 * self.config.page_tokens * local * head_dim * _DTYPE_BYTES.get(
+            dtype, 4)
+        return max(4, self.config.kv_cache_bytes // page)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, prompt: str | None = None) -> None:
+        self._check_alive()
+        if request_id in self._requests:
+            raise RequestError(f"request {request_id!r} is already running")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"request {request_id!r}: token ids {bad[:5]} are outside "
+                               f"the vocabulary of {vocab}")
+        seq = Seq(prompt_token_ids, params)
+        decode = None
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+            skip = params.skip_special_tokens
+
+            def decode(ids: list[int]) -> str:
+                return tok.decode(ids, skip_special_tokens=skip)
+        req = _Request(request_id, prompt, seq, decode)
+        self.scheduler.add(seq)
+        self._requests[request_id] = req
+        self._by_seq[seq.seq_id] = req
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its pages are freed at the next step."""
+        req = self._requests.get(request_id)
+        return req is not None and self.scheduler.abort(req.seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def counters(self) -> Any:
+        return self.scheduler.pool.counters
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._closed:
+            raise EngineDeadError("the engine was closed")
+
+    # -- one step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output for every request that advanced or ended."""
+        self._check_alive()
+        plan, aborted = self.scheduler.schedule()
+        outs = [self._finish(self._by_seq[s.seq_id], FinishReason.ABORT) for s in aborted]
+        if plan is None:
+            return outs
+        try:
+            raw = self.group.execute(encode_plan(plan))
+        except Exception as exc:  # noqa: BLE001  any failure of a step kills the engine
+            return outs + self._die(exc, plan.step)
+        result = decode_result(raw)
+        for s in self.scheduler.update(result):
+            outs.append(self._advance(s))
+        return outs
+
+    def _die(self, exc: BaseException, step: int) -> list[RequestOutput]:
+        rank = getattr(exc, "rank", None)
+        who = f"rank {rank}" if rank is not None else "a rank"
+        dead = EngineDeadError(f"engine: {who} failed during step {step}: {exc}")
+        dead.__cause__ = exc
+        self._dead = dead
+        outs = []
+        for seq in self.scheduler.fail_inflight():
+            req = self._by_seq[seq.seq_id]
+            req.error = dead
+            outs.append(self._finish(req, FinishReason.ERROR))
+        return outs
+
+    def _advance(self, s: Sampled) -> RequestOutput:
+        req = self._by_seq[s.seq.seq_id]
+        seq, p, tok = s.seq, s.seq.params, s.token
+        if req.logprobs is not None and s.logprobs is not None:
+            entry = {c: Logprob(lp, rank=i + 1) for i, (c, lp) in enumerate(s.logprobs.top)}
+            if tok not in entry:
+                entry[tok] = Logprob(s.logprobs.logprob, rank=None)
+            req.logprobs.append(entry)
+            if req.cum_logprob is not None:
+                req.cum_logprob += s.logprobs.logprob
+        reason: FinishReason | None = None
+        if p.stop_token_ids and tok in p.stop_token_ids:
+            reason, seq.stop_reason = FinishReason.STOP, tok
+        elif not p.ignore_eos and tok in self.eos_token_ids:
+            reason = FinishReason.STOP
+        start = len(req.output)
+        if reason is None and req.detok is not None:
+            req.detok.push(tok)
+            req.output = req.detok.text
+            if req.stop:
+                cut = req.stop.check(req.output, start)
+                if cut is not None:
+                    req.output = req.output[:cut]
+                    reason, seq.stop_reason = FinishReason.STOP, req.stop.matched
+        if reason is None and p.max_tokens is not None and seq.num_output >= p.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None and len(seq) >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            return self._finish(req, reason, delta_tokens=[tok])
+        return self._output(req, delta_tokens=[tok])
+
+    def _finish(self, req: _Request, reason: FinishReason,
+                delta_tokens: list[int] | None = None) -> RequestOutput:
+        self.scheduler.finish(req.seq, reason)
+        self._requests.pop(req.request_id, None)
+        self._by_seq.pop(req.seq.seq_id, None)
+        return self._output(req, delta_tokens=delta_tokens)
+
+    def _output(self, req: _Request, delta_tokens: list[int] | None) -> RequestOutput:
+        seq = req.seq
+        fr = seq.finish_reason.value if seq.finish_reason is not None else None
+        text = req.output
+        if fr is None and req.stop:
+            # hold back what may be the start of a stop string
+            text = text[: max(0, len(text) - req.stop.holdback)]
+        delta = text[req.sent :]
+        req.sent = max(req.sent, len(text))
+        comp = CompletionOutput(
+            index=0, text=text, token_ids=list(seq.output_tokens),
+            cumulative_logprob=req.cum_logprob,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            finish_reason=fr, stop_reason=seq.stop_reason,
+            delta_text=delta,
+            delta_token_ids=list(delta_tokens or []),
+        )
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt,
+            prompt_token_ids=list(seq.prompt_tokens), outputs=[comp], finished=fr is not None,
+            num_cached_tokens=seq.cached_tokens, cached_tokens_memory=seq.cached_memory,
+            cached_tokens_disk=seq.cached_disk, error=req.error,
+        )
+
+    def close(self) -> None:
+        """Fail what is left, stop the ranks and release everything (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for req in list(self._requests.values()):
+            self._finish(req, FinishReason.ABORT)
+        self.group.close(timeout=self.config.step_timeout)
