@@ -311,7 +311,7 @@ def test_disk_tier_loads_past_memory_and_saves_new_pages() -> None:
     assert plan is not None and len(plan.saves) == 1
     keys = page_keys(prompt, 4, FP)
     assert plan.saves[0].keys == keys and plan.saves[0].page_ids == a.block_table[:3]
-    tier.stored(plan.saves[0].keys)                     # the background store finished
+    assert tier.saves == [keys]                          # stored after the step
     drain(sched, ranks)
     # a restart: a new pool (nothing in memory), the same disk tier
     sched2 = Scheduler(cfg, FP, tier)

@@ -46,34 +46,43 @@ __all__ = ["InMemoryTier", "PrefixTier", "Sampled", "Scheduler", "SchedulerConfi
 class PrefixTier(Protocol):
     """The disk tier as rank 0's scheduler sees it (the replicated persistent cache).
 
-    ``lookup`` answers how many leading pages of ``keys`` every rank can load now and
-    pins them (a lease) until ``unpin``; ``wants`` says, per newly filled page, whether
-    to store it (admission, room and thinning are the tier's decision).
+    ``keys`` is always a sequence's chain from its first page (a key names its prefix).
+    ``lookup(keys, start)`` answers how many pages of ``keys[start:]`` every rank can
+    load now, and holds them (pinned, or already delivered to the ranks) until
+    ``unpin``; ``wants`` says, per page of ``keys[start:]`` a step is about to fill,
+    whether to stage it for storing; ``saved(keys)`` follows the step that staged the
+    last of ``keys`` (store them in the background: admission, room and thinning are
+    the tier's decisions, and a refusal only costs a later miss).
     """
 
-    def lookup(self, keys: Seq[bytes]) -> int: ...
+    def lookup(self, keys: Seq[bytes], start: int) -> int: ...
 
     def unpin(self, keys: Seq[bytes]) -> None: ...
 
-    def wants(self, keys: Seq[bytes]) -> list[bool]: ...
+    def wants(self, keys: Seq[bytes], start: int) -> list[bool]: ...
+
+    def saved(self, keys: Seq[bytes]) -> None: ...
 
 
 class InMemoryTier:
-    """A PrefixTier over a set of keys (tests, and a model of the disk tier's contract)."""
+    """A PrefixTier over a set of keys (tests, and a model of the disk tier's contract).
+
+    A saved chain is stored at once (``accept``: False refuses every store)."""
 
     def __init__(self, keys: Seq[bytes] = (), accept: bool = True) -> None:
         self.keys: set[bytes] = set(keys)
         self.pins: dict[bytes, int] = {}
         self.accept = accept
         self.asked: list[bytes] = []
+        self.saves: list[list[bytes]] = []
 
-    def lookup(self, keys: Seq[bytes]) -> int:
+    def lookup(self, keys: Seq[bytes], start: int) -> int:
         n = 0
-        for k in keys:
+        for k in keys[start:]:
             if k not in self.keys:
                 break
             n += 1
-        for k in keys[:n]:
+        for k in keys[start : start + n]:
             self.pins[k] = self.pins.get(k, 0) + 1
         return n
 
@@ -85,13 +94,14 @@ class InMemoryTier:
             else:
                 del self.pins[k]
 
-    def wants(self, keys: Seq[bytes]) -> list[bool]:
-        self.asked.extend(keys)
-        return [self.accept and k not in self.keys for k in keys]
+    def wants(self, keys: Seq[bytes], start: int) -> list[bool]:
+        self.asked.extend(keys[start:])
+        return [self.accept and k not in self.keys for k in keys[start:]]
 
-    def stored(self, keys: Seq[bytes]) -> None:
-        """The background store of ``keys`` finished (the engine or a test says so)."""
-        self.keys.update(keys)
+    def saved(self, keys: Seq[bytes]) -> None:
+        self.saves.append(list(keys))
+        if self.accept:
+            self.keys.update(keys)
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,7 @@ class _Scheduled:
     n: int
     sample: bool
     loaded: list[bytes]
+    saved_upto: int = 0      # chain pages through the last page this step stages
 
 
 def _pages_for(tokens: int, pt: int) -> int:
@@ -278,7 +289,7 @@ class Scheduler:
         m = len(hits)
         d = 0
         if caching and self.tier is not None and m < limit:
-            d = self.tier.lookup(keys[m:limit])
+            d = self.tier.lookup(keys, m)
         computed = (m + d) * pt
         n = min(total - computed, budget)
         need = _pages_for(computed + n, pt) - m
@@ -325,20 +336,22 @@ class Scheduler:
             sample=sample,
             sampling=seq.params.spec(seq.num_output),
         ))
-        scheduled.append(_Scheduled(seq, n, sample, loaded))
+        entry = _Scheduled(seq, n, sample, loaded)
+        scheduled.append(entry)
         if self.tier is None or not self.config.enable_prefix_caching:
             return
         # pages this step fills with prompt tokens it computes: store them in the background
         first, last = start // pt, min(end, seq.num_prompt) // pt
         if last > first:
-            keys = self._keys(seq, last)[first:last]
-            wanted = self.tier.wants(keys)
-            pick = [j for j, w in enumerate(wanted) if w]
+            keys = self._keys(seq, last)
+            wanted = self.tier.wants(keys, first)
+            pick = [first + j for j, w in enumerate(wanted) if w]
             if pick:
                 saves.append(PageSave(
                     keys=[keys[j] for j in pick],
-                    page_ids=[seq.block_table[first + j] for j in pick],
+                    page_ids=[seq.block_table[j] for j in pick],
                 ))
+                entry.saved_upto = pick[-1] + 1
 
     def _keys(self, seq: Sequence, n_pages: int) -> list[bytes]:
         """The first ``n_pages`` keys of ``seq``'s chain, extending it as needed."""
@@ -386,6 +399,8 @@ class Scheduler:
                 seq.num_registered = full
             if s.loaded and self.tier is not None:
                 self.tier.unpin(s.loaded)
+            if s.saved_upto and self.tier is not None:
+                self.tier.saved(seq.key_chain[: s.saved_upto])
             if s.sample:
                 tok = result.tokens.get(seq.seq_id)
                 if tok is None:
