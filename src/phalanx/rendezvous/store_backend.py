@@ -166,7 +166,7 @@ class _Pool:
                 return self._idle.pop()
             if self._closed:
                 raise HandshakeError("the TCP store backend is closed")
-            clone = self._store.clone()
+        clone = self._store.clone()  # a new connection: outside the lock
         clone.set_timeout(timedelta(seconds=_GRACE_S))  # every reply but a wait's
         return clone
 
@@ -271,10 +271,7 @@ class StoreBackend:
         if seen & _ABORTED:  # aborted before this arrival: read the release, leave
             return self._depart_decided(store, where, n, progress)
         if seen & full == full:  # the last arrival: released
-            store.set(where.release, str(_GO + 1))  # one-way; wakes every waiter
-            progress.departed = True  # counted in the release's departures already
-            self._remove(store, where, [where.arrivals, *([where.release] if n == 1 else [])])
-            return _Outcome.RELEASED
+            return self._release(store, where, n, progress, written=False)
         while True:
             # at least 1 ms: torch reads a zero timeout as "wait for ever"
             left = timedelta(seconds=max(0.001, deadline - time.monotonic()))
@@ -285,6 +282,17 @@ class StoreBackend:
                     return self._give_up(store, where, n, progress)
                 continue
             return self._depart(store, where, n, progress)
+
+    def _release(self, store: Any, where: _Where, n: int, progress: _Progress, *,
+                 written: bool) -> _Outcome:
+        """The last arrival releases the others: GO, counting itself departed (one-way:
+        torch's set has no reply), and removes the arrivals key, which nobody adds to
+        again (a participant that timed out meanwhile finds it gone: released)."""
+        if not written:
+            store.set(where.release, str(_GO + 1))  # wakes every waiter
+        progress.departed = True
+        self._remove(store, where, [where.arrivals, *([where.release] if n == 1 else [])])
+        return _Outcome.RELEASED
 
     def _give_up(self, store: Any, where: _Where, n: int,
                  progress: _Progress) -> _Outcome | list[int]:
@@ -355,19 +363,22 @@ class StoreBackend:
                               f"handshake's keys: {exc}") from exc
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+        full = (1 << n) - 1
+        arrived = progress.arrived
         try:
             fresh = TCPStore(self.host, self.port, None, False, timedelta(seconds=_GRACE_S),
                              use_libuv=True)
-            if not fresh.check([where.release]):  # not decided yet (as far as seen)
-                decision, _ = self._abort_unless_complete(fresh, where, n, progress.arrived)
-                if (decision is _Decision.COMPLETE and progress.arrived is None
+            if arrived is not None and arrived & (full | _ABORTED) == full:
+                # this rank was the last arrival: finish releasing (its set may have
+                # landed, and then it counts this rank as departed already)
+                return self._release(fresh, where, n, progress, written=fresh.check(
+                    [where.release]))
+            if not fresh.check([where.release]):  # not decided yet, as far as seen
+                decision, _ = self._abort_unless_complete(fresh, where, n, arrived)
+                if (decision is _Decision.COMPLETE and arrived is None
                         and not self._release_appears(fresh, where)):
-                    # this rank's arrival was the last one and its reply was lost:
-                    # release the others as the last arrival does
-                    fresh.set(where.release, str(_GO + 1))
-                    progress.departed = True
-                    self._remove(fresh, where, [where.arrivals])
-                    return _Outcome.RELEASED
+                    # its arrival was the last one, and the reply was lost
+                    return self._release(fresh, where, n, progress, written=False)
             outcome = self._depart_decided(fresh, where, n, progress)
         except self._dist_error as again:
             log.warning("rank %d could not withdraw from handshake %r of allocation %d: %s",
