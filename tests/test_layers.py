@@ -50,6 +50,8 @@ ALLOWED: dict[str, str] = {
     # serve engineer: engine errors come from phalanx.errors (public), not engine._errors.
     "phalanx.serve.api.app -> phalanx.engine._errors (private)":
         "serve engineer (issue 13 item 7: import from phalanx.errors)",
+    "phalanx.serve.cli.model -> phalanx.engine._errors (private)":
+        "serve engineer (issue 13 item 7: import from phalanx.errors)",
     # runtime engineer: the rank's launcher finds the package root through phalanx.__file__;
     # Path(__file__).parents[2] needs no upward import.
     "phalanx.runtime.rank_process -> phalanx (upward: runtime imports surface)":
@@ -237,12 +239,14 @@ def test_the_rules_catch_what_they_must() -> None:
         "phalanx.runtime.probe -> phalanx.comm (upward: runtime imports comm)"}
     assert _check("phalanx.comm.probe", "from phalanx.runtime import _context\n") == {
         "phalanx.comm.probe -> phalanx.runtime._context (private)"}
-    assert _check("phalanx.comm.probe", "from phalanx.runtime.worker import _arm_here\n") == {
-        "phalanx.comm.probe -> phalanx.runtime.worker._arm_here (private)"}
+    # (the private names probed are lifecycle.failpoints' own: they stay put)
     assert _check("phalanx.comm.probe",
-                  "from phalanx import runtime\nx = runtime.worker._arm_here\n") == {
-        "phalanx.comm.probe -> runtime.worker._arm_here (private attribute of phalanx.runtime)"}
-    assert _check("phalanx.comm.probe", "def f(w):\n    return w.worker._arm_here\n") == {
-        "phalanx.comm.probe -> w.worker._arm_here (private attribute of phalanx.runtime)"}
+                  "from phalanx.lifecycle.failpoints import _maybe_fire\n") == {
+        "phalanx.comm.probe -> phalanx.lifecycle.failpoints._maybe_fire (private)"}
+    assert _check("phalanx.comm.probe",
+                  "from phalanx.lifecycle import failpoints\nx = failpoints._DECLARED\n") == {
+        "phalanx.comm.probe -> failpoints._DECLARED (private attribute of phalanx.lifecycle)"}
+    assert _check("phalanx.comm.probe", "def f(w):\n    return w.points._maybe_fire\n") == {
+        "phalanx.comm.probe -> w.points._maybe_fire (private attribute of phalanx.lifecycle)"}
     assert _check("phalanx.comm.probe", "from phalanx.runtime import current_rank\n"
                   "from ._errors import DomainError\nimport torch._C\n") == set()
