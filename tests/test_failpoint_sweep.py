@@ -339,7 +339,7 @@ def _run_points(points: list[str], tmp: Path) -> Problems:
             p = _reached(point, rank, errors)
             if w.run(_task_on, target) != 1:
                 p.append("the next run did not succeed")
-            problems[point] = p
+            problems[point] = p + _ledgers_ok(w)
     finally:
         _close_worker(w)
     return problems
@@ -385,7 +385,7 @@ def _handshake_points(points: list[str], tmp: Path) -> Problems:
             p = _reached(point, rank, errors)
             p += [f"the next handshake failed: {e!r}"
                   for e in _attempt(w.run, _handshake_all, tag, 200 + i)]
-            problems[point] = p
+            problems[point] = p + _ledgers_ok(w)
     finally:
         _close_worker(w)
     return problems
