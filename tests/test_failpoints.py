@@ -104,3 +104,10 @@ def test_a_worker_arms_the_whole_catalogue_at_rank_start() -> None:
     with phalanx.Worker(ranks=1, failpoints=dict.fromkeys(names, "raise@1000000")) as w:
         armed = w.run(lambda o: o.submit(0, _armed_here).result())
     assert sorted(armed) == sorted(names)
+
+
+def test_a_worker_refuses_an_unknown_point_before_starting_ranks() -> None:
+    with pytest.raises(FailpointSpecError, match=r"unknown failpoint 'cache\.store\.temp_opend'"):
+        phalanx.Worker(ranks=1, failpoints={"cache.store.temp_opend": "raise"})
+    with pytest.raises(FailpointSpecError, match="bad failpoint spec"):
+        phalanx.Worker(ranks=1, failpoints={"cache.store.temp_opened": "explode"})

@@ -162,6 +162,7 @@ class Worker:
     def _start(self, timeout: float, threads: int, fps: dict[str, str],
                env: dict[str, str]) -> None:
         deadline = time.monotonic() + timeout
+        failpoints.check(fps)  # a typo fails here, by name, not as ranks that never start
         ensure_private_dir(self.runtime_dir)
         self.sweep_report = sweep(self.runtime_dir, self._lease_expiry_s)
         self._hub = Hub(self._on_frame, self._on_eof, self._on_stderr, self.max_message_bytes,
