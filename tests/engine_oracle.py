@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from phalanx.engine.plan import SamplingSpec, SeqChunk, StepPlan
+from phalanx.engine.plan import PageLoad, SamplingSpec, SeqChunk, StepPlan
 from phalanx.engine.runner import Runner
 
 _SCALE = 5.0
@@ -79,18 +79,23 @@ def hf_reference(path: Path, prompt: list[int] = PROMPT,
 
 def engine_generate(runner: Runner, prompt: list[int] = PROMPT,
                     new_tokens: int = NEW_TOKENS, chunk: int = PAGE_TOKENS,
-                    seq_id: int = 1, first_page: int = 0) -> tuple[torch.Tensor, list[int]]:
+                    seq_id: int = 1, first_page: int = 0, cached: int = 0,
+                    loads: list[PageLoad] | None = None) -> tuple[torch.Tensor, list[int]]:
     """The engine's logits of ``prompt`` (prefilled in chunks of ``chunk`` tokens) and its
-    greedy continuation, one decode step per token, through step plans."""
+    greedy continuation, one decode step per token, through step plans.
+
+    ``cached`` leading tokens are already in the pages (``loads`` puts them there, in the
+    first step); logits are returned for the positions computed."""
     total = len(prompt) + new_tokens
     pages = list(range(first_page, first_page + -(-total // runner.page_tokens)))
     greedy = SamplingSpec(temperature=0.0)
     parts = []
     step = 0
-    for start in range(0, len(prompt), chunk):
+    for start in range(cached, len(prompt), chunk):
         toks = prompt[start:start + chunk]
         plan = StepPlan(step=step, chunks=[SeqChunk(seq_id, toks, start, pages, False,
-                                                    greedy)])
+                                                    greedy)],
+                        loads=(loads or []) if step == 0 else [])
         parts.append(runner.logits(plan))
         step += 1
     logits = torch.cat(parts)

@@ -16,7 +16,14 @@ import pytest
 import torch
 
 import phalanx
-from engine_oracle import ATOL, PAGE_TOKENS, engine_generate, hf_reference, write_checkpoint
+from engine_oracle import (
+    ATOL,
+    PAGE_TOKENS,
+    PROMPT,
+    engine_generate,
+    hf_reference,
+    write_checkpoint,
+)
 from phalanx.engine.config import load_config
 from phalanx.engine.model import CausalLM
 from phalanx.engine.runner import Runner
@@ -175,3 +182,90 @@ def test_domain_collectives(worker: phalanx.Worker) -> None:
         assert res["gathered"] == [[0, 10], [1, 11], [2, 12]]
         assert res["bytes_ok"] and res["empty"] == b""
         assert res["bf16"] == [3.0] * 7
+
+
+_FINGERPRINT = b"engine-tp-test-model"
+
+
+def _rank_stage_prompt(d: Any, path: Path, keys: list[bytes]) -> Any:
+    from phalanx.engine.plan import PageSave, SamplingSpec, SeqChunk, StepPlan
+    from phalanx.engine.tp import DomainComm
+
+    runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS, disk_tier=True)
+    plan = StepPlan(0, [SeqChunk(1, PROMPT, 0, [0, 1, 2], False, SamplingSpec())],
+                    saves=[PageSave(keys, list(range(len(keys))))])
+    runner.execute(plan)
+    geometry = runner.geometry()
+    runner.close()
+    return geometry
+
+
+def _rank_generate_cached(d: Any, path: Path, keys: list[bytes]) -> dict[str, Any]:
+    from phalanx.engine.plan import PageLoad
+    from phalanx.engine.tp import DomainComm
+
+    runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS, disk_tier=True)
+    cached = len(keys) * PAGE_TOKENS
+    # the prefix lands in other pages than it was computed in: pages 3 and 4
+    logits, tokens = engine_generate(runner, first_page=3, cached=cached,
+                                     loads=[PageLoad(keys, [3, 4])])
+    runner.close()
+    return {"logits": logits, "tokens": tokens}
+
+
+def _rank_close_staging() -> None:
+    from phalanx.runtime import rank_services
+
+    rank_services().close("engine.staging")
+
+
+def test_disk_tier_after_restart_equals_recomputed(
+        worker: phalanx.Worker, checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    """Every rank stages its shard of a prompt's full pages, the replicated cache stores
+    them, the cache and the stagings are closed (a restart), the cache is recovered and
+    loads them into other pages: the continuation equals the recomputed one."""
+    from phalanx.engine.staging import staging_source
+    from phalanx.kvstore.keys import fingerprint_digest, page_keys
+    from phalanx.replication import ReplicatedCache
+
+    path, ref_logits, ref_tokens = checkpoints["llama-tp3-kv-split"]
+    keys = page_keys(PROMPT, PAGE_TOKENS, fingerprint_digest(_FINGERPRINT))
+    assert len(keys) == 2
+
+    def stage(o: Any) -> list[Any]:
+        d = o.allocate_domain("tp", ranks=[0, 1, 2], window_size=256 << 10)
+        out = [f.result() for f in [o.submit(r, _rank_stage_prompt, d, path, keys)
+                                    for r in range(3)]]
+        o.release_domain(d)
+        return out
+
+    geometry = worker.run(stage)[0]
+    opts = dict(geometry=geometry, fingerprint=_FINGERPRINT, capacity_bytes=1 << 26,
+                kv_source_factory=staging_source)
+    cache = ReplicatedCache.open(worker, tmp_path / "cache", **opts)
+    cache.store(PROMPT)
+    cache.close()
+    worker.run(lambda o: [f.result() for f in [o.submit(r, _rank_close_staging)
+                                               for r in range(3)]])
+
+    cache = ReplicatedCache.open(worker, tmp_path / "cache", **opts)
+    try:
+        assert cache.lookup(PROMPT) == 2
+        cache.load(PROMPT, 2)
+
+        def generate(o: Any) -> list[dict[str, Any]]:
+            d = o.allocate_domain("tp", ranks=[0, 1, 2], window_size=256 << 10)
+            out = [f.result() for f in [o.submit(r, _rank_generate_cached, d, path, keys)
+                                        for r in range(3)]]
+            o.release_domain(d)
+            return out
+
+        for res in worker.run(generate):
+            cached = 2 * PAGE_TOKENS
+            assert (res["logits"] - ref_logits[cached:]).abs().max().item() <= ATOL
+            assert res["tokens"] == ref_tokens
+        assert cache.check() == []
+    finally:
+        cache.close()
+    worker.run(lambda o: [f.result() for f in [o.submit(r, _rank_close_staging)
+                                               for r in range(3)]])

@@ -46,13 +46,17 @@ class PageTier(Protocol):
 
 
 class Runner:
-    """One rank's shard of the model and its KV pool."""
+    """One rank's shard of the model and its KV pool.
+
+    ``tier`` (or ``disk_tier=True``: this rank's :mod:`~phalanx.engine.staging`) is where
+    a plan's ``PageLoad`` pages come from and its ``PageSave`` pages go.
+    """
 
     def __init__(self, model_dir: str | Path, comm: TPComm | None = None, *,
                  num_pages: int, page_tokens: int = 64, dtype: str | None = None,
                  max_model_len: int | None = None, vocab_parallel: bool = False,
-                 tier: PageTier | None = None, threads: int | None = None,
-                 device: str = "cpu") -> None:
+                 tier: PageTier | None = None, disk_tier: bool = False,
+                 threads: int | None = None, device: str = "cpu") -> None:
         self.comm: TPComm = comm or SoloComm()
         # "cuda:N" runs the shard on that GPU (with TorchDistComm over NCCL for TP);
         # written for it, tested here on CPU only
@@ -74,6 +78,11 @@ class Runner:
         self.page_tokens = page_tokens
         self.kv: list[torch.Tensor] = self.model.allocate_kv(num_pages, page_tokens,
                                                              self.device)
+        if disk_tier and tier is None:
+            # the rank's staging, shared with the replicated cache's KV source
+            from .staging import rank_staging
+
+            tier = rank_staging(self.geometry())
         self.tier = tier
         self.closed = False
 

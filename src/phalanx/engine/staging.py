@@ -1,0 +1,136 @@
+"""One rank's staging of KV pages between its runner and the disk tier.
+
+The same object is both sides of the hand-over, so a page's bytes never leave the rank:
+
+- the runner's :class:`~phalanx.engine.runner.PageTier`: a plan's ``PageSave`` stages
+  pages after the forward (``save``), a plan's ``PageLoad`` takes pages the disk tier
+  loaded before the step (``load``);
+- the replicated cache's KV source (:class:`phalanx.replication.KVSource`): a store
+  reads staged pages (``row``), a load delivers pages (``loaded``).
+
+Rank 0 decides what is saved and loaded; the parent calls the cache's ``store`` after
+the step that staged a row and its ``load`` before the step that consumes it. Both maps
+are bounded (``capacity`` pages each, oldest dropped first and counted), so a store that
+never comes cannot grow a rank's memory. Open it with :func:`rank_staging` in a rank
+(or name :func:`staging_source` as the cache's ``kv_source_factory``): one per rank
+process, kept in the rank's services under ``engine.staging``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._errors import EngineError
+
+if TYPE_CHECKING:
+    import torch
+
+    from phalanx.kvstore import Geometry
+
+__all__ = ["PageStaging", "rank_staging", "staging_source"]
+
+_SERVICE = "engine.staging"
+DEFAULT_CAPACITY = 4096
+_OPEN_LOCK = threading.Lock()
+
+
+class PageStaging:
+    """Staged pages (runner -> disk) and loaded pages (disk -> runner) of one rank."""
+
+    def __init__(self, geometry: Geometry, rank: int, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.geometry = geometry
+        self.page_bytes = geometry.page_bytes
+        self.rank = rank
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        # Invariant: every value is exactly page_bytes long; len(each map) <= capacity.
+        self._staged: OrderedDict[bytes, bytes] = OrderedDict()
+        self._loaded: OrderedDict[bytes, bytes] = OrderedDict()
+        self.dropped = 0        # pages pushed out unread (a store or load that never came)
+        self.saved = 0
+        self.delivered = 0
+
+    def _put(self, table: OrderedDict[bytes, bytes], key: bytes, data: bytes) -> None:
+        table[key] = data
+        table.move_to_end(key)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
+            self.dropped += 1
+
+    # -- the runner's side ------------------------------------------------------------
+    def save(self, keys: list[bytes], data: torch.Tensor) -> None:
+        rows = data.numpy()
+        with self._lock:
+            for key, row in zip(keys, rows, strict=True):
+                self._put(self._staged, key, row.tobytes())
+            self.saved += len(keys)
+
+    def load(self, keys: list[bytes], out: torch.Tensor) -> None:
+        dst = out.numpy()
+        with self._lock:
+            missing = [k.hex() for k in keys if k not in self._loaded]
+            if missing:
+                raise EngineError(
+                    f"rank {self.rank}: the plan loads {len(keys)} pages but {len(missing)} "
+                    f"were not delivered by the disk tier (first {missing[0]}); the cache's "
+                    f"load must run before the step")
+            for i, key in enumerate(keys):
+                dst[i] = np.frombuffer(self._loaded.pop(key), dtype=np.uint8)
+
+    # -- the disk tier's side (a replication KV source) -------------------------------
+    def row(self, keys: list[bytes], start: int) -> Any:
+        with self._lock:
+            missing = [k.hex() for k in keys[start:] if k not in self._staged]
+            if missing:
+                raise EngineError(
+                    f"rank {self.rank}: a store asked for {len(keys) - start} pages from page "
+                    f"{start} but {len(missing)} are not staged (first {missing[0]}): never "
+                    f"saved by a step, or dropped ({self.dropped} dropped so far)")
+            return b"".join(self._staged[k] for k in keys[start:])
+
+    def loaded(self, keys: list[bytes], data: memoryview) -> None:
+        flat = memoryview(data).cast("B")
+        if len(flat) != len(keys) * self.page_bytes:
+            raise EngineError(f"rank {self.rank}: {len(flat)} bytes loaded for {len(keys)} "
+                              f"pages of {self.page_bytes}")
+        with self._lock:
+            for i, key in enumerate(keys):
+                self._put(self._loaded, key,
+                          bytes(flat[i * self.page_bytes:(i + 1) * self.page_bytes]))
+            self.delivered += len(keys)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"staged": len(self._staged), "loaded": len(self._loaded),
+                    "dropped": self.dropped, "saved": self.saved,
+                    "delivered": self.delivered}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._staged.clear()
+            self._loaded.clear()
+
+
+def rank_staging(geometry: Geometry, capacity: int = DEFAULT_CAPACITY) -> PageStaging:
+    """This rank's staging (created on first use, in the rank's services)."""
+    from phalanx.runtime import rank_services
+
+    services = rank_services()
+    with _OPEN_LOCK:  # the runner and the cache's open may ask at once
+        found = services.find(_SERVICE, PageStaging)
+        if found is not None:
+            if found.geometry != geometry:
+                raise EngineError(f"rank {services.rank}: the staging holds pages of "
+                                  f"{found.geometry}, asked for {geometry}; close it first")
+            return found
+        staging = PageStaging(geometry, services.rank, capacity)
+        return services.register(_SERVICE, staging, staging.clear)
+
+
+def staging_source(geometry: Geometry, rank: int) -> PageStaging:
+    """A replication ``kv_source_factory``: the rank's staging, shared with its runner."""
+    return rank_staging(geometry)
