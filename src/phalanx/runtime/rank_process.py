@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import phalanx
 from phalanx.lifecycle.failpoints import ENV_VAR as FAILPOINTS_ENV
 from phalanx.lifecycle.failpoints import encode_env
 
@@ -66,7 +65,7 @@ class RankProcess:
             proc_env = dict(os.environ)
             if env:
                 proc_env.update(env)
-            package_root = str(Path(phalanx.__file__).resolve().parent.parent)
+            package_root = str(Path(__file__).resolve().parents[2])  # src/
             proc_env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (package_root, proc_env.get("PYTHONPATH", "")) if p
             )
