@@ -79,24 +79,29 @@ def test_prefill_chunk_sizes_agree(checkpoints: dict[str, Path]) -> None:
 
 
 def test_batched_step_equals_single(checkpoints: dict[str, Path]) -> None:
-    """Two sequences in one step (a prefill beside a decode) match each run alone."""
+    """Sequences batched in one step (a prefill beside decodes, then decodes of different
+    context lengths, padded and masked) give each one's tokens alone."""
     runner = Runner(checkpoints["qwen2-tied-bias"], num_pages=16, page_tokens=PAGE_TOKENS,
                     threads=1)
-    _, alone = engine_generate(runner, new_tokens=4)
-    a = PROMPT
-    b = PROMPT[:20][::-1]
+    a, b = PROMPT, PROMPT[:20][::-1]
+    _, alone_a = engine_generate(runner, prompt=a, new_tokens=6)
+    _, alone_b = engine_generate(runner, prompt=b, new_tokens=5, first_page=8)
     greedy = SamplingSpec()
-    pa, pb = [0, 1, 2], [3, 4, 5]
+    pa, pb = [0, 1, 2], [3, 4]
     r = runner.execute(StepPlan(0, [SeqChunk(1, a, 0, pa, True, greedy)]))
-    ta = [r.tokens[1]]
-    for step in range(1, 4):
+    ta, tb = [r.tokens[1]], []
+    for step in range(1, 6):
         chunks = [SeqChunk(1, [ta[-1]], len(a) + step - 1, pa, True, greedy)]
         if step == 1:
             chunks.append(SeqChunk(2, b, 0, pb, True, greedy))
+        else:
+            chunks.insert(0, SeqChunk(2, [tb[-1]], len(b) + step - 2, pb, True, greedy))
         r = runner.execute(StepPlan(step, chunks))
         ta.append(r.tokens[1])
-    assert ta == alone
-    assert 2 not in runner.execute(StepPlan(9, [SeqChunk(2, [1], len(b), pb, False,
+        tb.append(r.tokens[2])
+    assert ta == alone_a and tb == alone_b
+    # a chunk that does not sample returns no token
+    assert 2 not in runner.execute(StepPlan(9, [SeqChunk(2, [1], len(b) + 5, pb, False,
                                                          greedy)])).tokens
 
 

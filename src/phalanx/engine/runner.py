@@ -222,7 +222,7 @@ def open_runner(runner_id: str, model_dir: str | Path, comm: TPComm | None = Non
                 **kwargs: Any) -> Runner:
     """Open a runner on this rank and register it as ``engine.runner/<runner_id>`` in the
     rank's service registry (call from a task on the rank)."""
-    from phalanx.runtime.services import rank_services
+    from phalanx.runtime import rank_services
 
     runner = Runner(model_dir, comm, **kwargs)
     return rank_services().register(_SERVICE.format(runner_id), runner, runner.close)
@@ -230,12 +230,12 @@ def open_runner(runner_id: str, model_dir: str | Path, comm: TPComm | None = Non
 
 def get_runner(runner_id: str) -> Runner:
     """This rank's runner ``runner_id`` (opened by :func:`open_runner`)."""
-    from phalanx.runtime.services import rank_services
+    from phalanx.runtime import rank_services
 
     return rank_services().get(_SERVICE.format(runner_id), Runner)
 
 
 def close_runner(runner_id: str) -> None:
-    from phalanx.runtime.services import rank_services
+    from phalanx.runtime import rank_services
 
     rank_services().close(_SERVICE.format(runner_id))
