@@ -55,7 +55,7 @@ class FakeRanks:
         pt, pool = self.pt, self.sched.pool
         for ld in plan.loads:
             for k, p in zip(ld.keys, ld.page_ids, strict=True):
-                assert pool.key[p] is None, f"load into cached page {p}"
+                assert pool.key[p] in (None, k), f"load into page {p} cached for another key"
                 self.pages[p] = list(self.disk[k])
         for ch in plan.chunks:
             assert len(ch.block_table) == -(-(ch.start_pos + len(ch.tokens)) // pt)
@@ -385,3 +385,23 @@ def test_prefix_caching_off_computes_every_prompt() -> None:
         assert s.cached_tokens == 0 and s.output_tokens == reference(prompt, 2)
     assert sched.pool.num_cached == 0 and tier.asked == []
     assert all(p.loads == [] and p.saves == [] for p in ranks.plans)
+
+
+def test_two_requests_loading_one_prefix_in_a_step_share_it() -> None:
+    prompt = list(range(30, 43))
+    keys = page_keys(prompt, 4, FP)
+    disk = {k: prompt[i * 4 : (i + 1) * 4] for i, k in enumerate(keys)}
+    tier = InMemoryTier(keys)
+    sched = Scheduler(SchedulerConfig(num_pages=16, page_tokens=4), FP, tier)
+    ranks = FakeRanks(sched, disk)
+    a = Sequence([*prompt[:12], 1], greedy(2), seq_id=1)
+    b = Sequence([*prompt[:12], 2], greedy(2), seq_id=2)
+    sched.add(a)
+    sched.add(b)
+    plan = step(sched, ranks)
+    assert plan is not None and len(plan.loads) == 1          # loaded once
+    assert a.block_table[:3] == b.block_table[:3] == plan.loads[0].page_ids
+    assert (a.cached_disk, b.cached_memory) == (12, 12)
+    drain(sched, ranks)
+    assert a.output_tokens == reference(a.prompt_tokens, 2)
+    assert b.output_tokens == reference(b.prompt_tokens, 2)

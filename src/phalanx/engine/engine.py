@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from ..kvstore import fingerprint_digest
 from ._errors import EngineDeadError, EngineError, RequestError
+from .disk_tier import DiskTier
 from .outputs import CompletionOutput, IncrementalDetokenizer, Logprob, RequestOutput
 from .plan import decode_result, encode_plan
 from .sampling import SamplingParams, StopChecker
@@ -61,6 +62,8 @@ class EngineConfig:
     step_timeout: float = 120.0
     start_timeout: float = 120.0
     seed: int = 0                          # unseeded requests draw from this on rank 0
+    prefix_cache_disk: str | None = None   # the replicated disk tier's directory
+    prefix_cache_disk_bytes: int = 1 << 30  # its capacity per rank
 
 
 def model_fingerprint(model_dir: str | Path, config: dict[str, Any], tp: int,
@@ -84,15 +87,19 @@ def model_fingerprint(model_dir: str | Path, config: dict[str, Any], tp: int,
 # -- the rank side (module-level: tasks are shipped by reference) -------------------------
 
 def _rank_open(runner_id: str, model_dir: str, view: Any, kwargs: dict[str, Any],
-               seed: int) -> dict[str, Any]:
+               seed: int, staging: bool) -> dict[str, Any]:
     import torch
 
     from .runner import open_runner
+    from .staging import rank_staging
     from .tp import DomainComm, SoloComm
 
     torch.manual_seed(seed)
     comm = DomainComm(view) if view is not None else SoloComm()
     runner = open_runner(runner_id, model_dir, comm, **kwargs)
+    if staging:
+        # the disk tier's pages pass through this rank's staging (see engine.staging)
+        runner.tier = rank_staging(runner.geometry())
     return runner.memory()
 
 
@@ -125,7 +132,8 @@ class RankGroup:
     """
 
     def __init__(self, model_dir: str, tp: int, runner_kwargs: dict[str, Any], *,
-                 step_timeout: float, start_timeout: float, seed: int) -> None:
+                 step_timeout: float, start_timeout: float, seed: int,
+                 staging: bool = False) -> None:
         from phalanx.comm import Worker
 
         self.tp = tp
@@ -138,22 +146,24 @@ class RankGroup:
         self.dead: BaseException | None = None
         self.worker = Worker(ranks=tp, task_timeout=step_timeout, start_timeout=start_timeout)
         try:
-            self._handle = self.worker.submit(self._serve, model_dir, runner_kwargs, seed)
+            self._handle = self.worker.submit(self._serve, model_dir, runner_kwargs, seed,
+                                              staging)
             self.memory = self._opened.result(timeout=start_timeout)
         except BaseException:
             self._jobs.put(None)
             self.worker.close()
             raise
 
-    def _serve(self, o: Any, model_dir: str, kwargs: dict[str, Any], seed: int) -> None:
+    def _serve(self, o: Any, model_dir: str, kwargs: dict[str, Any], seed: int,
+               staging: bool) -> None:
         domain = None
         opened = False
         try:
             if self.tp > 1:
                 domain = o.allocate_domain(f"{self.runner_id}_tp", ranks=list(o.ranks),
                                            window_size=_TP_WINDOW)
-            futs = [o.submit(r, _rank_open, self.runner_id, model_dir, domain, kwargs, seed)
-                    for r in o.ranks]
+            futs = [o.submit(r, _rank_open, self.runner_id, model_dir, domain, kwargs, seed,
+                             staging) for r in o.ranks]
             mem = [f.result() for f in futs]
             opened = True
             self._opened.set_result(mem)
@@ -280,13 +290,40 @@ class Engine:
                                   "max_model_len": mcfg.max_model_len}
         if config.dtype is not None:
             kwargs["dtype"] = config.dtype
+        disk = config.prefix_cache_disk
         self.group = RankGroup(config.model, tp, kwargs, step_timeout=config.step_timeout,
-                               start_timeout=config.start_timeout, seed=config.seed)
+                               start_timeout=config.start_timeout, seed=config.seed,
+                               staging=disk is not None and tier is None)
+        self.disk_tier: DiskTier | None = None
+        self.disk_cache: Any = None
+        if disk is not None and tier is None:
+            try:
+                self._open_disk(disk)
+            except BaseException:
+                self.group.close(timeout=config.step_timeout)
+                raise
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._dead: EngineDeadError | None = None
         self._lock = threading.Lock()
         self._closed = False
+
+    def _open_disk(self, directory: str) -> None:
+        """Recover and reconcile the replicated disk tier (before the engine is ready)."""
+        from ..kvstore import Geometry
+        from ..replication import ReplicatedCache
+        from .staging import staging_source
+
+        m = self.model_config
+        geometry = Geometry(layers=m.num_layers, kv_heads=self.group.memory[0]["kv_heads_local"],
+                            head_dim=m.head_dim, dtype=m.dtype,
+                            page_tokens=self.config.page_tokens)
+        self.disk_cache = ReplicatedCache.open(
+            self.group.worker, directory, geometry=geometry, fingerprint=self.fingerprint,
+            capacity_bytes=self.config.prefix_cache_disk_bytes,
+            kv_source_factory=staging_source)
+        self.disk_tier = DiskTier(self.disk_cache, self.config.page_tokens, self.fingerprint)
+        self.scheduler.tier = self.disk_tier
 
     def _default_pages(self, layers: int, kv_heads: int, heads: int, head_dim: int,
                        dtype: str, tp: int) -> int:
@@ -440,4 +477,10 @@ class Engine:
             self._closed = True
         for req in list(self._requests.values()):
             self._finish(req, FinishReason.ABORT)
-        self.group.close(timeout=self.config.step_timeout)
+        try:
+            if self.disk_tier is not None:
+                self.disk_tier.close(timeout=self.config.step_timeout)
+            if self.disk_cache is not None and self._dead is None:
+                self.disk_cache.close()
+        finally:
+            self.group.close(timeout=self.config.step_timeout)

@@ -106,12 +106,8 @@ class LLM:
         seed: int = 0,
         step_timeout: float = 120.0,
         prefix_tier: PrefixTier | None = None,
+        prefix_cache_disk_bytes: int = 1 << 30,
     ) -> None:
-        if prefix_cache_disk is not None:
-            raise EngineError(
-                f"LLM(prefix_cache_disk={str(prefix_cache_disk)!r}): the disk tier is not "
-                "wired into the engine yet (the scheduler's PrefixTier hook is ready)"
-            )
         model_dir = Path(model) if model is not None else _default_model_dir()
         self.model_dir = model_dir
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
@@ -122,6 +118,8 @@ class LLM:
             max_model_len=max_model_len, dtype=dtype,
             enable_prefix_caching=enable_prefix_caching, seed=seed,
             step_timeout=step_timeout,
+            prefix_cache_disk=None if prefix_cache_disk is None else str(prefix_cache_disk),
+            prefix_cache_disk_bytes=prefix_cache_disk_bytes,
         )
         from .config import load_config
 

@@ -17,8 +17,9 @@ Pure logic (no torch, no processes). One step:
    computes the rest in chunks.
 
 After the forward, :meth:`Scheduler.update` advances the computed counts, gives pages
-that became full their keys (only then are they hits for others), unpins the disk
-tier's pages, and appends the sampled tokens. Finishing (EOS, stops, max_tokens) is
+that became full their keys (only then are they hits for others; a page loaded from
+disk is keyed at once, since loads run before the forward), unpins the disk tier's
+pages, and appends the sampled tokens. Finishing (EOS, stops, max_tokens) is
 the engine loop's decision: it calls :meth:`Scheduler.finish`.
 
 Invariants (checked at the end of every schedule and update when ``check_invariants``):
@@ -302,10 +303,14 @@ class Scheduler:
         fresh = self.pool.allocate(need)
         seq.block_table = hits + fresh
         seq.num_computed = computed
-        seq.num_registered = m
         loaded = keys[m : m + d]
         if d:
             loads.append(PageLoad(keys=list(loaded), page_ids=fresh[:d]))
+            # loads run before the step's forward, so a loaded page is a hit at once:
+            # another request admitted in this step shares it instead of loading it again
+            for page, key in zip(fresh[:d], loaded, strict=True):
+                self.pool.register(page, key)
+        seq.num_registered = m + d
         counters = self.pool.counters
         if seq.take_first_admit():
             seq.cached_memory = m * pt
