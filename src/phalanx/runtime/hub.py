@@ -122,8 +122,11 @@ class Hub:
                     self._on_tick()
                 except Exception:
                     log.exception("phalanx hub: periodic tick failed")
+            registered = self._sel.get_map()
             for key, _ in events:
                 data = key.data
+                if registered.get(key.fd) is not key:
+                    continue  # unregistered by a wake-up earlier in this batch (remove())
                 if data is None:
                     self._drain_wakeups()
                 elif isinstance(data, _Conn):
