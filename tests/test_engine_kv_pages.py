@@ -97,3 +97,15 @@ def test_keys_are_the_disk_chain() -> None:
     toks = list(range(10, 26))
     assert keys_of(toks) == page_keys(toks, 4, fingerprint_digest("test-model"))
     assert keys_of(toks)[0] != page_keys(toks, 4, fingerprint_digest("other"))[0]
+
+
+def test_reset_forgets_the_memory_tier_when_idle() -> None:
+    pool = PagePool(4, 4)
+    ks = keys_of(list(range(8)))
+    pages = pool.allocate(2)
+    for p, k in zip(pages, ks, strict=True):
+        pool.register(p, k)
+    assert not pool.reset()                  # pages in use
+    pool.release(pages)
+    assert pool.reset() and pool.match(ks) == [] and pool.num_cached == 0
+    pool.check([])

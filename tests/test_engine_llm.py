@@ -258,3 +258,56 @@ def test_checkpoint_config_is_the_fingerprint(model_dir: Path, llm: LLM) -> None
     assert a != model_fingerprint(model_dir, cfg, 1, PT)
     assert a != model_fingerprint(model_dir, cfg, 2, 64)
     assert len(llm.engine.fingerprint) == 16
+
+
+def _shared_prompts(n: int, seed: int) -> list[list[int]]:
+    """``n`` prompts over four 'system prompts' of 1-3 pages, with distinct tails."""
+    systems = [[(seed * 31 + s * 17 + 7 * i) % 250 + 3 for i in range(16 * (1 + s % 3) + 5)]
+               for s in range(4)]
+    return [[*systems[i % 4][: 16 * (1 + (i // 4) % 3)], (seed + i * 13) % 240 + 5,
+             (i * 7) % 240 + 5] for i in range(n)]
+
+
+def test_disk_tier_cached_equals_recomputed(model_dir: Path, tmp_path: Path) -> None:
+    prompts = _shared_prompts(50, seed=1)
+    refused = _shared_prompts(8, seed=2)
+    sp = greedy(5)
+    opts: dict[str, Any] = {"tensor_parallel_size": 2, "page_tokens": PT, "num_pages": 160,
+                            "max_num_batched_tokens": 128}
+    with LLM(model_dir, enable_prefix_caching=False, **opts) as plain:
+        ref = [o.outputs[0].token_ids for o in plain.generate(_ids(prompts), sp)]
+        ref_refused = [o.outputs[0].token_ids for o in plain.generate(_ids(refused), sp)]
+    cache = tmp_path / "cache"
+    with LLM(model_dir, prefix_cache_disk=cache, **opts) as llm:
+        cold = llm.generate(_ids(prompts), sp)
+        assert [o.outputs[0].token_ids for o in cold] == ref
+        tier = llm.engine.disk_tier
+        assert tier is not None and tier.drain(60) and tier.stats.stores > 0
+        assert tier.stats.store_failures == 0
+        warm = llm.generate(_ids(prompts), sp)                       # memory tier
+        assert [o.outputs[0].token_ids for o in warm] == ref
+        assert all(o.cached_tokens_memory > 0 for o in warm)
+        assert llm.reset_prefix_cache()
+        disk = llm.generate(_ids(prompts), sp)                       # disk, same process
+        assert [o.outputs[0].token_ids for o in disk] == ref
+        assert sum(o.cached_tokens_disk for o in disk) >= 16 * 4
+        assert llm.counters.prompt_disk > 0
+    with LLM(model_dir, prefix_cache_disk=cache, **opts) as again:   # after a restart
+        restarted = again.generate(_ids(prompts), sp)
+        assert [o.outputs[0].token_ids for o in restarted] == ref
+        assert all(o.cached_tokens_disk > 0 for o in restarted[:4])
+        # a disk tier that refuses every store costs misses, never a wrong answer
+        again.engine.group.worker.arm_failpoint("cache.store.temp_opened", "raise")
+        tier = again.engine.disk_tier
+        assert tier is not None
+        out = again.generate(_ids(refused), sp)
+        assert [o.outputs[0].token_ids for o in out] == ref_refused
+        assert tier.drain(60) and tier.stats.store_failures > 0
+        again.engine.group.worker.disarm_failpoints()
+        assert again.reset_prefix_cache()
+        out2 = again.generate(_ids(refused), sp)
+        assert [o.outputs[0].token_ids for o in out2] == ref_refused
+
+
+def _ids(prompts: list[list[int]]) -> list[dict[str, Any]]:
+    return [{"prompt_token_ids": p} for p in prompts]

@@ -362,6 +362,10 @@ class Engine:
         req = self._requests.get(request_id)
         return req is not None and self.scheduler.abort(req.seq.seq_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the memory tier (not the disk tier); False while requests hold pages."""
+        return self.scheduler.pool.reset()
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

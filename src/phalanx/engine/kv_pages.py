@@ -140,6 +140,14 @@ class PagePool:
         self._cached[key] = page
         return True
 
+    def reset(self) -> bool:
+        """Forget every cached key (the memory tier), if no page is in use; else False."""
+        if len(self._free) != self.num_pages:
+            return False
+        self._cached.clear()
+        self.key = [None] * self.num_pages
+        return True
+
     def check(self, holders: Iterable[Sequence[int]]) -> None:
         """Assert the pool's invariants given every running sequence's block table."""
         want = [0] * self.num_pages

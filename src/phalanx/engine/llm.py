@@ -207,6 +207,10 @@ class LLM:
                 raise o.error
         return ordered
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the memory tier of the prefix cache (vLLM's name); the disk tier stays."""
+        return self.engine.reset_prefix_cache()
+
     @property
     def counters(self) -> Any:
         """Prompt tokens from memory / disk / computed, preemptions, evictions."""
