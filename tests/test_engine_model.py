@@ -184,3 +184,21 @@ def test_missing_tensor_is_named(checkpoints: dict[str, Path], tmp_path: Path) -
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
         Runner(tmp_path, num_pages=2, page_tokens=PAGE_TOKENS, threads=1)
     assert load_config(tmp_path).num_layers == 2
+
+
+def test_rotary_tables_grow_on_demand(checkpoints: dict[str, Path]) -> None:
+    """A long-context config tables only the positions used; grown rows equal the rows a
+    full table would hold (llama3 scaling included)."""
+    from phalanx.engine.layers import Rotary, rope_inv_freq
+
+    raw = _raw(checkpoints["llama-tied-mha-llama3"]) | {"max_position_embeddings": 100_000}
+    cfg = ModelConfig.from_dict(raw)
+    rot = Rotary(cfg, torch.float32)
+    assert rot.cos.shape[0] == 4096
+    rot.ensure(9000)
+    assert 9000 <= rot.cos.shape[0] <= 100_000
+    pos = torch.tensor([0.0, 4095.0, 8999.0])
+    freqs = pos[:, None] * rope_inv_freq(cfg)[None, :]
+    want = torch.cat((freqs, freqs), dim=-1)
+    assert torch.equal(rot.cos[[0, 4095, 8999]], want.cos())
+    assert torch.equal(rot.sin[[0, 4095, 8999]], want.sin())

@@ -149,13 +149,27 @@ class Rotary(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        inv = rope_inv_freq(cfg)
-        pos = torch.arange(cfg.max_model_len, dtype=torch.float32)
-        freqs = pos[:, None] * inv[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        self.inv_freq = rope_inv_freq(cfg)
+        self.dtype = dtype
+        self.limit = cfg.max_model_len
         # buffers, so that moving the model to a device moves the tables with it
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("cos", torch.empty(0, cfg.head_dim, dtype=dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(0, cfg.head_dim, dtype=dtype), persistent=False)
+        self.ensure(min(self.limit, 4096))
+
+    def ensure(self, positions: int) -> None:
+        """Table at least ``positions`` positions. Tables grow by doubling up to
+        ``max_model_len``: a 128k-context config does not cost 128k rows until it is used.
+        A row's values do not depend on the table's length."""
+        have = self.cos.shape[0]
+        if positions <= have:
+            return
+        n = min(self.limit, max(positions, 2 * have))
+        pos = torch.arange(n, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=self.cos.device, dtype=self.dtype)
+        self.sin = emb.sin().to(device=self.sin.device, dtype=self.dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -145,7 +145,7 @@ class CausalLM(torch.nn.Module):
         if vocab_parallel and cfg.vocab_size % self.comm.size:
             raise ModelConfigError(f"vocab_size={cfg.vocab_size} does not divide by the TP "
                                    f"size {self.comm.size}: use a replicated vocabulary")
-        rotary = Rotary(cfg, self.dtype)
+        self.rotary = rotary = Rotary(cfg, self.dtype)
         self.embed_tokens = VocabEmbedding("model.embed_tokens", cfg.vocab_size,
                                            cfg.hidden_size, self.dtype, self.comm,
                                            vocab_parallel)
@@ -196,6 +196,7 @@ class CausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                 kv: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states [T, hidden] (after the final norm) of the step's tokens."""
+        self.rotary.ensure(int(positions.max()) + 1)
         x = self.embed_tokens(input_ids)
         for layer, pool in zip(self.layers, kv, strict=True):
             x = layer(x, positions, meta, pool)

@@ -106,6 +106,9 @@ class DomainComm:
         """Sum ``t`` over the ranks, in place (``t`` must be contiguous)."""
         if self.size == 1:
             return t
+        if not t.is_contiguous():
+            raise EngineError(f"domain {self.view.name!r}: all_reduce sums in place and needs "
+                              f"a contiguous tensor (got strides {t.stride()})")
         flat = t.view(-1)
         per = self.half // t.element_size()
         for start in range(0, flat.numel(), per):
