@@ -555,8 +555,8 @@ class Worker:
         doomed |= {r for r, p in self._procs.items()
                    if not self._outstanding.exited(r) and p.stop_signal() is not None}
         for r in sorted(doomed):
-            log.warning("%s runs abandoned tasks or is stopped at close: killing it",
-                        self._procs[r].describe())
+            log.warning("rank %d (pid %d) still runs abandoned tasks or is stopped at "
+                        "close: killing it", r, self._procs[r].pid)
             self._procs[r].kill()
         self._reap(sorted(doomed))
         for run in list(self._runs.values()):
