@@ -139,3 +139,43 @@ def test_a_bad_file_that_cannot_be_moved_aside_stays_queued(
     assert os.listdir(tmp_path / QUARANTINE_DIR) == [bad]
     assert len(record_files(tmp_path)) == 1  # the good record stays
     assert s.lookup(toks) == 2 and s.check() == []
+
+
+def test_a_seal_still_owed_once_the_lock_went_is_never_written_into_another_stores_directory(
+    tmp_path: Path, stores: Stores
+) -> None:
+    """The seal failed, the steps after it ran, the lock last: the directory may be
+    another store's now. Only the lock holder may seal (an open consumes the seal first,
+    trusting that none outlives a change), so the retry writes nothing there."""
+    rows = _filled(stores, tmp_path)
+    first = stores.opened[-1]
+    failpoints.arm("cache.close.seal", "raise*1")
+    with pytest.raises(CleanupError) as info:
+        first.close()
+    assert [e.point for e in info.value.exceptions if isinstance(e, FailpointError)] == [
+        "cache.close.seal"]
+    owner = stores.open(tmp_path)  # the lock was released: the directory is the owner's
+    first.close()  # the retry of the seal
+    assert not (tmp_path / SEAL_NAME).exists(), "a closed store sealed a live store's directory"
+    first.close()  # nothing owed any more
+    extra = np.arange(9_000, 9_000 + 2 * PT)
+    owner.store(extra, page_row(extra))  # a change a stale seal would vouch against
+    owner.close()
+    again = stores.open(tmp_path)
+    assert [again.lookup(t) for t in [*rows, extra]] == [2] * (len(rows) + 1)
+    assert again.check() == []
+
+
+def test_an_error_in_a_with_block_comes_up_beside_a_failing_close(
+    tmp_path: Path, stores: Stores
+) -> None:
+    """Not hidden in the CleanupError's ``__context__``: one CleanupError carries both."""
+    failpoints.arm("cache.close.lock", "raise*1")
+    with pytest.raises(CleanupError) as info, stores.open(tmp_path):
+        raise KeyError("the block's own error")
+    kinds = [type(e) for e in info.value.exceptions]
+    assert kinds == [KeyError, FailpointError], info.value.exceptions
+    with pytest.raises(StoreLockedError):
+        stores.open(tmp_path)  # the lock stays owed
+    stores.opened[0].close()  # the retry releases it
+    assert stores.open(tmp_path).check() == []

@@ -37,6 +37,11 @@ class DirLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd: int | None = fd
 
+    @property
+    def held(self) -> bool:
+        """Not released yet: the directory is still this store's."""
+        return self._fd is not None
+
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Any
 
 from phalanx.lifecycle import CleanupError, CleanupJournal
@@ -132,7 +133,7 @@ class DiskStore:
                  and result.snapshot in ("used", "sealed"))
         self._snapshot_changes = index.changes if clean else -1
         self._snapshot_taken = result.snapshot_taken_ns if clean else None
-        journal.add("header snapshot and seal", lambda: self._close_snapshot(core))
+        journal.add("header snapshot and seal", lambda: self._close_snapshot(core, lock))
         log.info(
             "cache %s: recovered %d records (%d bytes, %d orphans, %d thinnable) in %.2fs "
             "(%d from the %s snapshot); %d temp files, skipped %s", self.directory,
@@ -192,7 +193,17 @@ class DiskStore:
         _FP_CLOSE_LOCK.hit()
         lock.release()
 
-    def _close_snapshot(self, core: StoreCore) -> None:
+    def _close_snapshot(self, core: StoreCore, lock: DirLock) -> None:
+        if not lock.held:
+            # an earlier close() failed here, ran the later steps and released the lock
+            # (the last one): the directory may be another store's now, and only the lock
+            # holder may write a snapshot or a seal (an open consumes the seal first,
+            # trusting that none outlives a change). Nothing is owed any more: without a
+            # seal the next open checks every file against the snapshot, as after a
+            # crash (test_a_seal_still_owed_once_the_lock_went_is_never_written_into_...).
+            log.warning("cache %s: the header snapshot and seal are not written: this "
+                        "store released the directory's lock already", self.directory)
+            return
         with core.mutex:
             if core.index.changes != self._snapshot_changes:
                 self._save_snapshot_locked()
@@ -246,8 +257,22 @@ class DiskStore:
     def __enter__(self) -> DiskStore:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self.close()
+        except CleanupError as failed:
+            # the block's own error comes up beside the close's, never hidden in the
+            # CleanupError's __context__ (test_an_error_in_a_with_block_comes_up_beside_...)
+            if exc is None:
+                raise
+            if not isinstance(exc, Exception):  # an interrupt stays an interrupt
+                exc.add_note(f"and closing the store failed: {failed}")
+                return
+            raise CleanupError(
+                f"cache store {self.directory}: the with block failed ({exc!r}) and closing "
+                f"the store failed too; those steps stay owed",
+                [exc, *failed.exceptions]) from None
 
     # -- store / lookup / load ---------------------------------------------------------
     def chain(self, tokens: Tokens) -> KeyChain:
