@@ -45,10 +45,6 @@ LEVEL = {
 
 # Violations that exist today, each removed by the engineer named (issue 13).
 ALLOWED: dict[str, str] = {
-    # runtime/comm engineer: DomainOrchestrator reads the runtime Orchestrator's _run;
-    # runtime can expose the run's Worker publicly (e.g. ``Orchestrator.worker``).
-    "phalanx.comm.worker -> self._run (private attribute)":
-        "runtime/comm engineer (issue 13 item 7)",
     # serve engineer: engine errors come from phalanx.errors (public), not engine._errors.
     "phalanx.serve.api.app -> phalanx.engine._errors (private)":
         "serve engineer (issue 13 item 7: import from phalanx.errors)",

@@ -21,7 +21,7 @@ class DomainOrchestrator(Orchestrator):
 
     @property
     def _domains(self) -> DomainManager:
-        return cast("Worker", self._run.worker).domains
+        return cast("Worker", self.worker).domains
 
     def allocate_domain(self, name: str, ranks: Sequence[int], window_size: int = 0,
                         buffers: Sequence[tuple[str, int]] = (),

@@ -163,6 +163,12 @@ class Orchestrator:
         return self._run.worker.ranks
 
     @property
+    def worker(self) -> TaskSubmitter:
+        """The Worker this run belongs to (a layer's orchestrator reaches its own state
+        there, as comm's reaches the domain manager)."""
+        return self._run.worker
+
+    @property
     def run_id(self) -> int:
         return self._run.run_id
 
