@@ -271,11 +271,12 @@ def _shared_prompts(n: int, seed: int) -> list[list[int]]:
 def test_disk_tier_cached_equals_recomputed(model_dir: Path, tmp_path: Path) -> None:
     prompts = _shared_prompts(50, seed=1)
     refused = _shared_prompts(8, seed=2)
-    sp = greedy(5)
+    sp = greedy(5, logprobs=0)
     opts: dict[str, Any] = {"tensor_parallel_size": 2, "page_tokens": PT, "num_pages": 160,
                             "max_num_batched_tokens": 128}
     with LLM(model_dir, enable_prefix_caching=False, **opts) as plain:
-        ref = [o.outputs[0].token_ids for o in plain.generate(_ids(prompts), sp)]
+        plain_out = plain.generate(_ids(prompts), sp)
+        ref = [o.outputs[0].token_ids for o in plain_out]
         ref_refused = [o.outputs[0].token_ids for o in plain.generate(_ids(refused), sp)]
     cache = tmp_path / "cache"
     with LLM(model_dir, prefix_cache_disk=cache, **opts) as llm:
@@ -291,6 +292,10 @@ def test_disk_tier_cached_equals_recomputed(model_dir: Path, tmp_path: Path) -> 
         disk = llm.generate(_ids(prompts), sp)                       # disk, same process
         assert [o.outputs[0].token_ids for o in disk] == ref
         assert sum(o.cached_tokens_disk for o in disk) >= 16 * 4
+        # the bound (docs/design.md): tokens are identical, logprobs agree to rounding
+        # (cached KV was computed in other batches and chunks than the recomputed one)
+        assert _max_logprob_gap(plain_out, warm) < LOGPROB_BOUND
+        assert _max_logprob_gap(plain_out, disk) < LOGPROB_BOUND
         assert llm.counters.prompt_disk > 0
     with LLM(model_dir, prefix_cache_disk=cache, **opts) as again:   # after a restart
         restarted = again.generate(_ids(prompts), sp)
@@ -311,3 +316,15 @@ def test_disk_tier_cached_equals_recomputed(model_dir: Path, tmp_path: Path) -> 
 
 def _ids(prompts: list[list[int]]) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": p} for p in prompts]
+
+
+LOGPROB_BOUND = 1e-4
+
+
+def _max_logprob_gap(a: list[Any], b: list[Any]) -> float:
+    gap = 0.0
+    for x, y in zip(a, b, strict=True):
+        for ex, ey, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs,
+                             x.outputs[0].token_ids, strict=True):
+            gap = max(gap, abs(ex[t].logprob - ey[t].logprob))
+    return gap
