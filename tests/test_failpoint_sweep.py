@@ -362,9 +362,9 @@ def _close_step_points(points: list[str], tmp: Path) -> Problems:
 
 
 # -- rendezvous ------------------------------------------------------------------------
-def _handshake_all(o: phalanx.Orchestrator, tag: str, alloc_id: int) -> None:
+def _handshake_all(o: phalanx.Orchestrator, tag: str, alloc_id: int, timeout: float) -> None:
     """One handshake on every rank; every participant's error, not only the first."""
-    futures = [o.submit(r, handshake, tag, alloc_id, [0, 1], 2.0) for r in o.ranks]
+    futures = [o.submit(r, handshake, tag, alloc_id, [0, 1], timeout) for r in o.ranks]
     errors = [e for e in (f.exception() for f in futures) if isinstance(e, Exception)]
     if errors:
         raise ExceptionGroup(f"handshake {tag!r} of allocation {alloc_id}", errors)
@@ -380,11 +380,11 @@ def _handshake_points(points: list[str], tmp: Path) -> Problems:
             rank = RANK[point]
             tag = "alloc" if point.endswith("publish") else "release"
             w.arm_failpoint(point, "raise*1", ranks=rank)
-            errors = _attempt(w.run, _handshake_all, tag, 100 + i)
+            errors = _attempt(w.run, _handshake_all, tag, 100 + i, 2.0)
             w.disarm_failpoints()
             p = _reached(point, rank, errors)
             p += [f"the next handshake failed: {e!r}"
-                  for e in _attempt(w.run, _handshake_all, tag, 200 + i)]
+                  for e in _attempt(w.run, _handshake_all, tag, 200 + i, 30.0)]
             problems[point] = p + _ledgers_ok(w)
     finally:
         _close_worker(w)
@@ -447,8 +447,10 @@ def _replication_points(points: list[str], tmp: Path) -> Problems:
             try:
                 if point == "cache.link.connect":
                     w.arm_failpoint(point, "raise*1", ranks=rank)
-                cache = open_cache(w, d, connect_timeout=5.0, job_timeout=5.0,
-                                   close_timeout=10.0)
+                # Short deadlines only where this point's fault makes a side wait.
+                cache = open_cache(
+                    w, d, connect_timeout=5.0 if point == "cache.link.connect" else 60.0,
+                    job_timeout=5.0 if point == "cache.link.send" else 30.0)
                 w.arm_failpoint(point, "raise*1", ranks=rank)
                 cache.store(TOKS)
                 cache.check()

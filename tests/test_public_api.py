@@ -71,9 +71,8 @@ PUBLIC: dict[str, list[str]] = {
     ],
     "phalanx.engine": [
         "CompletionOutput", "Engine", "EngineConfig", "InMemoryTier", "LLM", "Logprob",
-        "PageLoad", "PageSave", "PrefixTier", "RequestOutput", "SamplingParams",
-        "SamplingSpec", "Scheduler", "SchedulerConfig", "SeqChunk", "StepPlan", "StepResult",
-        "TokenLogprobs",
+        "PageLoad", "PageSave", "PrefixTier", "RequestOutput", "SamplingParams", "SamplingSpec",
+        "Scheduler", "SchedulerConfig", "SeqChunk", "StepPlan", "StepResult", "TokenLogprobs",
     ],
     "phalanx.serve": [],
     "phalanx.errors": [
