@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ._errors import FailpointError, PhalanxError
@@ -179,7 +180,7 @@ def _known(name: str) -> bool:
     return name in _CATALOGUE or name in _DECLARED
 
 
-def check(points: dict[str, str]) -> None:
+def check(points: Mapping[str, str]) -> None:
     """Refuse unknown names and bad specs in ``name -> spec`` before they reach a rank."""
     for name, spec in points.items():
         if not _known(name):
