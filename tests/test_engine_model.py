@@ -202,3 +202,23 @@ def test_rotary_tables_grow_on_demand(checkpoints: dict[str, Path]) -> None:
     want = torch.cat((freqs, freqs), dim=-1)
     assert torch.equal(rot.cos[[0, 4095, 8999]], want.cos())
     assert torch.equal(rot.sin[[0, 4095, 8999]], want.sin())
+
+
+def test_runner_refuses_bad_plans_by_name(checkpoints: dict[str, Path]) -> None:
+    from phalanx.engine._errors import EngineError
+
+    runner = Runner(checkpoints["llama-untied-gqa"], num_pages=4, page_tokens=PAGE_TOKENS,
+                    threads=1)
+    g = SamplingSpec()
+    bad = [
+        (SeqChunk(7, [1, 999_999], 0, [0], True, g), "token ids \\[999999\\]"),
+        (SeqChunk(7, list(range(20)), 0, [0], True, g), "needs 2 pages"),
+        (SeqChunk(7, [1], 0, [9], True, g), "page ids \\[9\\]"),
+        (SeqChunk(7, [1], 500, list(range(4)), True, g), "position 500 is beyond max_model_len"),
+    ]
+    for chunk, match in bad:
+        with pytest.raises(EngineError, match=match):
+            runner.execute(StepPlan(0, [chunk]))
+    runner.close()
+    with pytest.raises(EngineError, match="closed"):
+        runner.execute(StepPlan(1, [SeqChunk(7, [1], 0, [0], True, g)]))

@@ -186,6 +186,11 @@ class Runner:
             if not c.tokens:
                 raise EngineError(f"step {plan.step}: sequence {c.seq_id} has an empty chunk")
             self._check_pages(c.block_table)
+            bad = [t for t in c.tokens if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise EngineError(f"step {plan.step}: sequence {c.seq_id} has token ids "
+                                  f"{bad[:4]} outside the vocabulary of "
+                                  f"{self.cfg.vocab_size}")
             ids.extend(c.tokens)
             pos.extend(range(c.start_pos, c.start_pos + len(c.tokens)))
             spans.append((c.start_pos, len(c.tokens), list(c.block_table)))
@@ -212,9 +217,13 @@ class Runner:
             self.tier.save(list(save.keys), self.read_pages(save.page_ids))
 
     def close(self) -> None:
-        """Drop the KV pool and the weights (idempotent)."""
+        """Drop the KV pool and close the communicator's window mappings (idempotent):
+        after this the TP domain can be released."""
         self.closed = True
         self.kv = []
+        close = getattr(self.comm, "close", None)
+        if close is not None:
+            close()
 
 
 

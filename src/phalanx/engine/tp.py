@@ -93,11 +93,18 @@ class DomainComm:
                        for h in (0, 1)] for r in range(self.size)]
         self._round = 0
 
+    def close(self) -> None:
+        """Drop the tensors over the members' windows (idempotent). Call it before the
+        domain is released: a live export of a window would make unmapping it fail."""
+        self._bufs = []
+
     def _peer_tensor(self, r: int) -> torch.Tensor:
         mem = self.view.window if r == self.rank else self.view.peer_window(r)
         return torch.frombuffer(mem, dtype=torch.uint8)
 
     def _next(self) -> int:
+        if not self._bufs:
+            raise EngineError(f"domain {self.view.name!r}: this TP communicator was closed")
         h = self._round % 2
         self._round += 1
         return h
