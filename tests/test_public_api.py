@@ -65,9 +65,10 @@ PUBLIC: dict[str, list[str]] = {
         "page_keys",
     ],
     "phalanx.replication": [
-        "KVSource", "KVSourceFactory", "LinkAuthError", "LinkClosedError", "LinkProtocolError",
-        "LinkStalledError", "PeerJobError", "ReplicaDivergedError", "ReplicatedCache",
-        "ReplicationError", "SyntheticSource", "rank_directories",
+        "KVSource", "KVSourceFactory", "Leader", "Lease", "LinkAuthError", "LinkClosedError",
+        "LinkProtocolError", "LinkStalledError", "MaintainReport", "PeerJobError", "RankCache",
+        "ReplicaDivergedError", "ReplicatedCache", "ReplicationError", "StoreTicket",
+        "SyntheticSource", "rank_cache", "rank_directories",
     ],
     "phalanx.engine": [
         "CompletionOutput", "Engine", "EngineConfig", "InMemoryTier", "LLM", "Logprob",

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -35,6 +36,7 @@ from .buffers import MAP_MIN, ParallelReader
 from .core import StoreCore, StoreState
 from .files import Staging, is_temp_name, staged_temps
 from .geometry import Geometry
+from .index import Record
 from .jobs import JobRunner
 from .keys import KeyChain, Tokens, fingerprint_digest
 from .loads import LoadRequest, Reader
@@ -57,6 +59,15 @@ log = logging.getLogger("phalanx.kvstore")
 _FP_SEAL = Failpoint("cache.close.seal", "close wrote the snapshot; about to seal it")
 _FP_CLOSE_LOCK = Failpoint("cache.close.lock",
                            "close is about to release the directory's lock (the last step)")
+
+
+@dataclass(eq=False)
+class PrefixPins:
+    """What :meth:`DiskStore.lookup_pin` found (pages per prefix) and holds pinned."""
+
+    pages: list[int]
+    records: list[Record]
+    released: bool = False
 
 
 class DiskStore:
@@ -299,6 +310,41 @@ class DiskStore:
             else:
                 core.stats.misses += 1
             return n
+
+    def lookup_pin(self, prefixes: Sequence[Tokens | KeyChain]) -> PrefixPins:
+        """``lookup`` of a batch of prefixes at once, pinning the records that hold the
+        pages it reports until :meth:`unpin`: maintenance defers its jobs on them and
+        making room never evicts them. What a replicated cache's rank 0 uses so that no
+        peer is told to evict a record before it read it (phalanx.replication)."""
+        core = self._core
+        pt = self.geometry.page_tokens
+        wanted = [[] if len(t) < (1 if isinstance(t, KeyChain) else pt) else core.keys(t)
+                  for t in prefixes]
+        pins = PrefixPins([], [])
+        with core.mutex:
+            core.check_open()
+            for keys in wanted:
+                n = core.index.cached_pages(keys)
+                pins.pages.append(n)
+                if not n:
+                    core.stats.misses += 1
+                    continue
+                core.stats.hits += 1
+                core.stats.hit_tokens += n * pt
+                for rec, _, _ in core.index.plan(keys, n):
+                    rec.pins += 1
+                    pins.records.append(rec)
+            core.index.touch_all(pins.records)
+        return pins
+
+    def unpin(self, pins: PrefixPins) -> None:
+        """Release what :meth:`lookup_pin` pinned (once; a second call does nothing)."""
+        with self._core.mutex:
+            if pins.released:
+                return
+            pins.released = True
+            for rec in pins.records:
+                rec.pins -= 1
 
     def load(self, tokens: Tokens | KeyChain, n_pages: int, out: Any = None) -> memoryview:
         """The KV bytes of the first ``n_pages`` pages, as a flat byte memoryview (see

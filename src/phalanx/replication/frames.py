@@ -26,10 +26,11 @@ from ._errors import LinkClosedError, LinkProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION", "Ack", "Bye", "Challenge", "Frame", "FrameReader", "Hello", "JobOp",
-    "LoadOp", "Reconcile", "RecordSet", "Refused", "StoreOp", "Welcome", "encode", "proof",
+    "LoadOp", "Reconcile", "RecordSet", "Refused", "StoreOp", "Unstage", "Welcome", "encode",
+    "proof",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: staged rows (StoreOp.staged, Unstage)
 MAX_FRAME_BYTES = 64 << 20  # a store frame carries keys, not rows: far below this
 _HEADER = struct.Struct(">IB")
 
@@ -75,6 +76,15 @@ class StoreOp(msgspec.Struct, tag="store", frozen=True):
     start: int
     span: list[bytes]  # keys of pages start..end-1
     row: bytes = b""  # empty: the bytes come from the peer's KV source
+    staged: bool = False  # the bytes are the peer's staged copy of this row (staging.py)
+
+
+class Unstage(msgspec.Struct, tag="unstage", frozen=True):
+    """Rank 0 refused or skipped a staged row: the peer drops its copy."""
+
+    seq: int
+    key: bytes  # the row's end page key
+    start: int  # its start page
 
 
 class LoadOp(msgspec.Struct, tag="load", frozen=True):
@@ -100,7 +110,7 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
 
 
 Frame = Union[Challenge, Hello, Welcome, Refused, RecordSet, JobOp, StoreOp, LoadOp,  # noqa: UP007
-              Reconcile, Bye, Ack]
+              Reconcile, Bye, Ack, Unstage]
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER: msgspec.msgpack.Decoder[Frame] = msgspec.msgpack.Decoder(Frame)

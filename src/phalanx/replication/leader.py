@@ -25,18 +25,22 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from phalanx.kvstore import CacheError, NotCachedError
 from phalanx.kvstore.keys import ROOT_KEY, KeyChain, Tokens
 from phalanx.kvstore.maintenance import Job, JobKind
-from phalanx.kvstore.store import DiskStore, StoreResult
+from phalanx.kvstore.store import DiskStore, PrefixPins, StoreResult
+from phalanx.lifecycle import CleanupError
 
-from ._errors import ReplicaDivergedError
-from .frames import Bye, LoadOp, Reconcile, RecordSet, StoreOp, records_digest
+from ._errors import LinkStalledError, ReplicaDivergedError, ReplicationError
+from .frames import Bye, Frame, LoadOp, Reconcile, RecordSet, StoreOp, Unstage, records_digest
 from .kv_source import KVSource
 from .link import PeerLink
 from .reconcile import ReconcilePlan, plan
+from .staging import row_start
 
 __all__ = ["JobCollector", "Leader", "MaintainReport"]
 
@@ -139,10 +143,20 @@ class Leader:
         crc32 of the bytes each rank loaded (rank -> crc)."""
         with self._request():
             keys = chain.keys[:n_pages]
-            with self._order:  # peers load before any later eviction reaches them
+            prefix = KeyChain(keys, chain.page_tokens, chain.fingerprint)
+            with self._order:  # peers load before any later eviction reaches them,
+                pins = self.store.lookup_pin([prefix])  # and none is decided here
+                if pins.pages[0] < n_pages:  # refused before any peer is asked
+                    self.store.unpin(pins)
+                    raise NotCachedError(
+                        f"load of {n_pages} pages from {self.store.directory}: only "
+                        f"{pins.pages[0]} cached; call lookup() first")
                 seqs = {r: ln.submit(lambda s: LoadOp(s, keys), want_reply=True)
                         for r, ln in self.links.items()}
-                view = self.store.load(chain, n_pages)
+            try:  # read outside the order lock: stores and maintenance go on meanwhile
+                view = self.store.load(prefix, n_pages)
+            finally:
+                self.store.unpin(pins)
             self.source.loaded(keys, view)
             crcs = {0: zlib.crc32(view)}
             for rank, seq in seqs.items():
@@ -151,6 +165,55 @@ class Leader:
 
     def lookup(self, tokens: Tokens | KeyChain) -> int:
         return self.store.lookup(tokens)
+
+    # -- the rank-side API's half on rank 0 (rank_api.py) ------------------------------
+    def lookup_pinned(self, prefixes: Sequence[Tokens | KeyChain]
+                      ) -> tuple[PrefixPins, dict[int, int]]:
+        """Look a batch of prefixes up and pin what was found (until ``store.unpin``);
+        also rank -> seq of the last op queued to that peer. Under the order lock: every
+        record reported had its store queued to every link before this point, so a peer
+        that applied through its seq holds all of them."""
+        with self._order:
+            pins = self.store.lookup_pin(prefixes)
+            through = {r: ln.queued_through() for r, ln in self.links.items()}
+        return pins, through
+
+    def store_staged(self, rows: Sequence[tuple[KeyChain, Any]]) -> list[StoreResult]:
+        """Store rows whose bytes every rank staged (rank_api.py): rank 0 decides and
+        writes them (one store_many), then sends each peer one decision per row, in row
+        order: StoreOp(staged) for a row stored, Unstage for one skipped or refused. A
+        refusal (bad input, no room) raises after the Unstages and the evictions making
+        room were queued; a failed write raises after the rows that made it were sent."""
+        with self._request():
+            with self._order:
+                error: BaseException | None = None
+                with self._collector.collect() as evicted:
+                    try:
+                        results: list[StoreResult | None] = list(self.store.store_many(rows))
+                    except (CacheError, OSError) as exc:
+                        error = exc
+                        results = [self._stored_after_error(chain) for chain, _ in rows]
+                pb = self.store.geometry.page_bytes
+                decisions: list[Callable[[int], Frame]] = [
+                    _decision(chain, row_start(len(chain.keys), row, pb), res)
+                    for (chain, row), res in zip(rows, results, strict=True)]
+                for link in self.links.values():
+                    link.submit_jobs(evicted)
+                    for make in decisions:
+                        link.submit(make)
+                for job in evicted:
+                    self.jobs_sent[job.kind.value] += 1
+            if error is not None:
+                raise error
+            return [r for r in results if r is not None]
+
+    def _stored_after_error(self, chain: KeyChain) -> StoreResult | None:
+        """After a failed store_many: the row counts as stored if rank 0 now holds all of
+        its pages (a peer that holds them already skips it too)."""
+        n = len(chain.keys)
+        if self.store.lookup(chain) < n:
+            return None
+        return StoreResult(chain.keys[-1], 0, n, True, 0)
 
     # -- maintenance lane -------------------------------------------------------------
     def _room(self) -> int:
@@ -250,25 +313,50 @@ class Leader:
                 "serve; run `phalanx cache verify` on each rank's directory")
         return p
 
-    def close(self, timeout: float) -> list[str]:
-        """Drain within ``timeout``, say BYE, close links and the store; returns what did
-        not drain or close (empty when clean)."""
+    def close(self, timeout: float) -> None:
+        """Say BYE to every peer and wait, within ``timeout``, until each acked everything
+        before it (the links and the store are closed by their owner, RankCache). Raises
+        one CleanupError with an error per peer that did not drain: its link failed
+        earlier and no caller was told (that error), or it acked nothing more in time
+        (LinkStalledError)."""
         end = self._now() + timeout
-        problems: list[str] = []
-        for rank, link in self.links.items():
+        errors: list[Exception] = []
+        byes: dict[int, int] = {}
+        for rank, link in self.links.items():  # BYE to all first: they drain at once
             if link.error is not None:
-                problems.append(f"peer rank {rank}: {link.error}")
+                # Failed earlier: news only if no caller saw it (every failure is
+                # reported once: a maintain() that raised the stall has told it).
+                if not link.error_raised:
+                    errors.append(link.error)
                 continue
             try:
-                seq = link.submit(Bye)
+                byes[rank] = link.submit(Bye)
+            except ReplicationError as exc:  # failed just now
+                errors.append(exc)
+        for rank, seq in byes.items():
+            link = self.links[rank]
+            try:
                 if not link.wait_acked(seq, max(0.0, end - self._now())):
-                    problems.append(f"did not drain: {link.describe()}")
-            except Exception as exc:  # noqa: BLE001  collected: every link still closes
-                problems.append(f"peer rank {rank}: {exc}")
-        for link in self.links.values():
-            problems += link.close(max(0.1, end - self._now()))
-        self.store.close()
-        return problems
+                    errors.append(LinkStalledError(
+                        f"replication link to {link.describe()}: did not drain and ack BYE "
+                        f"within the close deadline ({timeout:.1f}s)"))
+            except ReplicationError as exc:
+                errors.append(exc)
+        if errors:
+            raise CleanupError(
+                f"rank 0 of cache {self.store.directory}: {len(errors)} of "
+                f"{len(self.links)} peers did not close cleanly; their directories may "
+                "differ from rank 0's until the next start reconciles them", errors)
+
+
+def _decision(chain: KeyChain, start: int, res: StoreResult | None) -> Callable[[int], Frame]:
+    """The op a peer gets for its staged row (``start`` .. end of ``chain``): store it,
+    or drop the copy."""
+    keys = chain.keys
+    if res is not None and res.stored:
+        return lambda s: StoreOp(s, keys[start - 1] if start else ROOT_KEY, start,
+                                 keys[start:], staged=True)
+    return lambda s: Unstage(s, keys[-1], start)
 
 
 def _has_room(link: PeerLink, reserve: int) -> bool:

@@ -182,6 +182,7 @@ class PeerLink:
         self._want: set[int] = set()  # seqs whose Ack a caller reads (load crc, digest)
         self._last_ack = time.monotonic()
         self._error: ReplicationError | None = None
+        self.error_raised = False  # a caller has seen _error (close reports it otherwise)
         self._closing = False
         self.sent = 0
         self._threads = [
@@ -220,6 +221,11 @@ class PeerLink:
         if self._writer_idle and len(self._inflight) < self.window:
             self._writer_idle = False
             self._wcond.notify()
+
+    def queued_through(self) -> int:
+        """The seq of the last op queued (0: none yet)."""
+        with self._cond:
+            return self._next_seq - 1
 
     def room(self) -> int:
         """Credits not taken by in-flight or pending ops (may be negative)."""
@@ -269,6 +275,7 @@ class PeerLink:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
+            self.error_raised = True
             raise self._error
 
     def _fail(self, error: ReplicationError) -> None:
@@ -283,25 +290,28 @@ class PeerLink:
         except OSError:
             pass  # already disconnected: nothing to wake
 
-    def close(self, timeout: float) -> list[str]:
-        """Stop both threads and close the socket; returns problems (threads that did not
-        exit within ``timeout``). The caller drains and says BYE before this."""
+    def close(self, timeout: float) -> None:
+        """Stop both threads and close the socket (the caller drained and said BYE).
+        Raises ReplicationError naming the threads that did not exit within ``timeout``;
+        then the socket stays open, owed: a retry joins them again."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
             self._wcond.notify_all()
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a writer blocked in sendall
         except OSError:
             pass  # the peer closed first
         end = time.monotonic() + timeout
-        stuck = []
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
-            if t.is_alive():
-                stuck.append(f"link thread {t.name} to peer rank {self.rank} did not exit")
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            raise ReplicationError(
+                f"replication link to peer rank {self.rank} on {self.host}: threads "
+                f"{stuck} did not exit within {timeout:.1f}s; the socket stays open until a "
+                "retry")
         self._sock.close()
-        return stuck
 
     # -- threads -----------------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -342,6 +352,7 @@ class PeerLink:
                         f"replication link to {self.describe()}: {exc}; the peer died or "
                         "closed its end; restart the job to reconcile its directory"))
                 return
+            stalled: LinkStalledError | None = None
             with self._cond:
                 if self._closing or self._error is not None:
                     return
@@ -349,16 +360,18 @@ class PeerLink:
                 if frame is None:
                     since = max(self._last_ack, self._inflight[0][1]) if self._inflight else now
                     if now - since > self.job_timeout:
-                        self._error = LinkStalledError(
+                        stalled = LinkStalledError(
                             f"replication link to {self._describe_locked()}: no progress for "
                             f"{now - since:.1f}s (job_timeout {self.job_timeout}s); the peer "
                             "is hung or paused; check its process, or raise job_timeout")
-                        self._cond.notify_all()
-                        self._wcond.notify_all()
-                    continue
-                if not isinstance(frame, Ack):
-                    continue  # peers send only acks after the handshake
-                self._on_ack_locked(frame, now)
+                elif isinstance(frame, Ack):  # peers send only acks after the handshake
+                    self._on_ack_locked(frame, now)
+            if stalled is not None:
+                # Fail like a closed connection: shut the socket down too, so a writer
+                # blocked in sendall on the hung peer's full buffer wakes and exits (the
+                # SIGSTOP hang: test_replication_hung.py).
+                self._fail(stalled)
+                return
 
     def _on_ack_locked(self, ack: Ack, now: float) -> None:
         while self._inflight and self._inflight[0][0] <= ack.seq:

@@ -16,14 +16,16 @@ import collections
 import logging
 import socket
 import threading
+import time
 import zlib
+from typing import Any
 
 from phalanx.kvstore.keys import KeyChain
 from phalanx.kvstore.maintenance import Job, JobKind
 from phalanx.kvstore.store import DiskStore
 from phalanx.lifecycle.failpoints import Failpoint
 
-from ._errors import LinkClosedError, ReplicationError
+from ._errors import LinkClosedError, LinkStalledError, ReplicationError
 from .frames import (
     Ack,
     Bye,
@@ -33,10 +35,12 @@ from .frames import (
     LoadOp,
     Reconcile,
     StoreOp,
+    Unstage,
     encode,
     records_digest,
 )
 from .kv_source import KVSource
+from .staging import StagedRows
 
 __all__ = ["Replica"]
 
@@ -48,31 +52,52 @@ _CHAINS = 16  # recent prefixes kept: a store usually extends the previous one
 
 class Replica:
     def __init__(self, rank: int, store: DiskStore, source: KVSource, sock: socket.socket,
-                 reader: FrameReader) -> None:
+                 reader: FrameReader, staged: StagedRows, stage_wait: float) -> None:
         self.rank = rank
         self.store = store
         self.source = source
+        self.staged = staged
+        self.stage_wait = stage_wait  # how long a staged row may lag rank 0's decision
         self._sock = sock
         self._reader = reader
         self._chains: collections.OrderedDict[bytes, list[bytes]] = collections.OrderedDict()
         self.applied = 0
         self.error: ReplicationError | None = None  # why the loop ended, if not BYE
         self._stop = threading.Event()
+        # Invariant: every op with seq <= applied_through was applied (or failed and
+        # said so in its ack): the ops rank 0 queued before a lease are on disk here.
+        self.applied_through = 0
+        self._applied_cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"phalanx-replica-{rank}",
                                         daemon=True)
         self._thread.start()
 
-    def close(self, timeout: float) -> list[str]:
-        """Stop the loop (after BYE it has stopped already), close socket and store."""
+    def close(self, timeout: float) -> None:
+        """Stop the loop (after BYE it has stopped already) and close the socket; the
+        store is its owner's. Raises ReplicationError when the thread did not exit within
+        ``timeout`` (the socket stays open, owed: a retry joins again)."""
         self._stop.set()
         self._thread.join(timeout)
-        problems = []
         if self._thread.is_alive():
-            problems.append(f"replica thread of rank {self.rank} did not exit in {timeout}s")
-        else:
-            self._sock.close()
-        self.store.close()
-        return problems
+            raise ReplicationError(
+                f"rank {self.rank}: the replica thread did not exit within {timeout:.1f}s "
+                "(blocked applying an op); its socket stays open until a retry")
+        self._sock.close()
+
+    def wait_applied(self, seq: int, timeout: float) -> None:
+        """Until rank 0's ops up to ``seq`` are applied here; raises LinkStalledError
+        naming this rank when they are not within ``timeout`` (or the link ended)."""
+        end = time.monotonic() + timeout
+        with self._applied_cond:
+            while self.applied_through < seq:
+                left = end - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    why = (f"its replication link ended: {self.error}" if self.error
+                           else f"not within {timeout:.1f}s")
+                    raise LinkStalledError(
+                        f"rank {self.rank}: rank 0's ops up to {seq} are not applied here "
+                        f"(applied through {self.applied_through}): {why}")
+                self._applied_cond.wait(min(left, 0.2))
 
     def _loop(self) -> None:
         self._sock.settimeout(0.2)  # how late a stop request is noticed
@@ -87,6 +112,9 @@ class Replica:
                 if frame is None:
                     continue
                 ack = self._apply(frame)
+                with self._applied_cond:  # rank-side loads wait on this (wait_applied)
+                    self.applied_through = max(self.applied_through, ack.seq)
+                    self._applied_cond.notify_all()
                 if ack.error or ack.digest or ack.crc:
                     acks.append(encode(ack))
                     plain = 0
@@ -118,6 +146,8 @@ class Replica:
                 return Ack(seq, crc=self._load(frame))
             elif isinstance(frame, Reconcile):
                 return Ack(seq, digest=self._reconcile(frame))
+            elif isinstance(frame, Unstage):
+                self.staged.drop((frame.key, frame.start), self.stage_wait, self._stop)
             elif not isinstance(frame, Bye):
                 return Ack(seq, error=f"unexpected {type(frame).__name__} frame")
         except Exception as exc:  # noqa: BLE001  reported to rank 0, which fails the owner
@@ -137,7 +167,11 @@ class Replica:
     def _store(self, op: StoreOp) -> None:
         keys = self._prefix(op.parent, op.start) + op.span
         chain = KeyChain(keys, self.store.geometry.page_tokens, self.store.fingerprint)
-        row = op.row if op.row else self.source.row(keys, op.start)
+        row: Any
+        if op.staged:
+            row = self.staged.take((keys[-1], op.start), self.stage_wait, self._stop)
+        else:
+            row = op.row if op.row else self.source.row(keys, op.start)
         self.store.store(chain, row)
         self._chains[keys[-1]] = keys
         if len(self._chains) > _CHAINS:

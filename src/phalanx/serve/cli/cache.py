@@ -7,10 +7,12 @@ are safe beside a live server.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import click
 
@@ -91,18 +93,47 @@ def synth_cmd(directory: str, tp: int, records: int, shape: str, page_tokens: in
     from phalanx.replication import ReplicatedCache
     from phalanx.runtime import Worker
 
-    with Worker(ranks=tp) as w:
+    with _exit_on_error("synth"), Worker(ranks=tp) as w:
         rc = ReplicatedCache.open(w, directory, geometry=_geometry(page_tokens),
                                   fingerprint=fingerprint, capacity_bytes=1 << 60)
-        try:
-            rep = rc.synth(records, shape, seed=seed, group=8 if uncompacted else 1)
-        finally:
-            problems = rc.close()
+        rep = _closing(rc, lambda: rc.synth(records, shape, seed=seed,
+                                            group=8 if uncompacted else 1))
     click.echo(f"{rep.records} records ({rep.redundant_rows} redundant rows) on {tp} ranks "
                f"in {rep.seconds:.2f}s under {directory}")
-    for p in problems:
-        click.echo(f"  {p}", err=True)
-    if problems:
+
+
+T = TypeVar("T")
+
+
+def _closing(rc: Any, body: Callable[[], T]) -> T:
+    """``body()``, then ``rc.close()`` whatever happened (a close that fails after
+    ``body`` failed is a note on body's error, never hidden in ``__context__``)."""
+    from phalanx.lifecycle import PhalanxError
+
+    try:
+        out = body()
+    except BaseException as exc:
+        try:
+            rc.close()
+        except PhalanxError as cleanup:
+            exc.add_note(f"closing the cache then failed too: {cleanup}")
+        raise
+    rc.close()
+    return out
+
+
+@contextlib.contextmanager
+def _exit_on_error(what: str) -> Iterator[None]:
+    """A phalanx error (a stalled or dead peer, a close that failed) exits 1 with one
+    message naming it, after the Worker closed (its ranks stopped or killed)."""
+    from phalanx.lifecycle import PhalanxError
+
+    try:
+        yield
+    except PhalanxError as exc:
+        click.echo(f"phalanx cache {what}: {type(exc).__name__}: {exc}", err=True)
+        for note in getattr(exc, "__notes__", []):
+            click.echo(f"  {note}", err=True)
         sys.exit(1)
 
 
@@ -114,32 +145,39 @@ def synth_cmd(directory: str, tp: int, records: int, shape: str, page_tokens: in
 @click.option("--page-tokens", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--fingerprint", default="phalanx-synth", show_default=True)
 @click.option("--window", type=click.IntRange(2), default=64, show_default=True)
+@click.option("--job-timeout", type=click.FloatRange(min=0.001), default=30.0,
+              show_default=True, help="Seconds a peer may make no progress before it fails.")
+@click.option("--close-timeout", type=click.FloatRange(min=0.1), default=30.0,
+              show_default=True, help="Seconds closing the cache and the ranks may take.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def maintain_cmd(directory: str, tp: int, max_age: float | None, capacity: int,
-                 page_tokens: int, fingerprint: str, window: int, as_json: bool) -> None:
+                 page_tokens: int, fingerprint: str, window: int, job_timeout: float,
+                 close_timeout: float, as_json: bool) -> None:
     """Open the replicated cache as a server would at start-up, reconcile, run
-    maintenance to completion through the links, print the counts and exit."""
+    maintenance to completion through the links, print the counts and exit (1 with the
+    error when a peer stalls or dies: within job timeout + close timeouts)."""
     import time
 
     from phalanx.replication import ReplicatedCache
     from phalanx.runtime import Worker
 
     t0 = time.monotonic()
-    with Worker(ranks=tp) as w:
+    with _exit_on_error("maintain"), Worker(ranks=tp, close_timeout=close_timeout) as w:
         rc = ReplicatedCache.open(w, directory, geometry=_geometry(page_tokens),
                                   fingerprint=fingerprint, capacity_bytes=capacity,
-                                  max_age=max_age, window=window)
-        try:
+                                  max_age=max_age, window=window, job_timeout=job_timeout,
+                                  close_timeout=close_timeout)
+
+        def body() -> dict[str, Any]:
             before = {r: s["stats"]["records"] for r, s in rc.stats().items()}
             report = rc.maintain()
             after = {r: s["stats"]["records"] for r, s in rc.stats().items()}
-            problems = rc.check()
-        finally:
-            problems_close = rc.close()
-    out = {"records_before": before, "records_after": after, "jobs": report.jobs,
-           "reconciled": rc.reconciled, "maintain_seconds": round(report.seconds, 3),
-           "seconds": round(time.monotonic() - t0, 3),
-           "problems": problems + problems_close}
+            return {"records_before": before, "records_after": after, "jobs": report.jobs,
+                    "maintain_seconds": round(report.seconds, 3), "problems": rc.check()}
+
+        out = _closing(rc, body)
+    out["reconciled"] = rc.reconciled
+    out["seconds"] = round(time.monotonic() - t0, 3)
     if as_json:
         click.echo(json.dumps(out, sort_keys=True, default=str))
     else:
