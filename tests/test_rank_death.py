@@ -240,3 +240,31 @@ def test_close_closes_every_rank_service_and_reports_a_failure_by_rank(
     assert steps == ["ran"]
     w.close()  # the failed step was retried once more (it fails again: the rank closes it)
     assert wait_settled(before) == {}
+
+
+def test_a_run_cannot_start_tasks_once_a_rank_died(tmp_path: Path) -> None:
+    """After a loss, every live run has failed: a task submitted later (to a live rank)
+    fails at once instead of being sent, so an orch function never waits on it."""
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=2)
+    try:
+        pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
+
+        def orch(o: phalanx.Orchestrator) -> str:
+            first = o.submit(1, _block_forever, str(tmp_path))
+            _wait_for(lambda: (tmp_path / "in-1").exists(), 60, "rank 1 busy")
+            os.kill(pids[1], signal.SIGKILL)
+            with pytest.raises(RankDiedError, match="rank 1"):
+                first.result(timeout=FAIL_BOUND_S)
+            late = o.submit(0, _block_forever, str(tmp_path))
+            assert late.done() and late.finished  # never sent
+            with pytest.raises(RankDiedError, match=f"rank 1 \\(pid {pids[1]}\\)"):
+                late.result()
+            return "observed"
+
+        assert w.run(orch) == "observed"
+        assert not (tmp_path / "in-0").exists()
+        assert w.call_ranks([0], os.getpid)[0].unwrap() == pids[0]  # close steps still work
+    finally:
+        w.close()
+    assert wait_settled(before) == {}

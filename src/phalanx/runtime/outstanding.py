@@ -8,6 +8,8 @@ Invariants (under ``_lock``):
   physically outstanding. It may be logically done already (expired, abandoned).
 - a rank is in ``_lost`` once it died or hung: no task is admitted for it any more.
 - a rank is in ``_exited`` once its exit was handled: none of its futures is in ``_tasks``.
+- ``_fatal`` is the first loss that spread (the worker was not closing): from then on no
+  task of a run is admitted on any rank, since every live run has failed with it.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ class Outstanding:
         self._tasks: dict[int, TaskFuture] = {}
         self._lost: dict[int, RankDiedError] = {}
         self._exited: set[int] = set()
+        self._fatal: RankDiedError | None = None
 
     def admit(self, fut: TaskFuture) -> RankDiedError | None:
-        """Record ``fut``, or return its rank's error (and record nothing) if it is lost."""
+        """Record ``fut``, or return why not (and record nothing): its rank is lost, or it
+        is a run's task and a rank's loss already failed every live run."""
         with self._lock:
-            lost = self._lost.get(fut.rank)
+            lost = self._lost.get(fut.rank) or (self._fatal if fut.run_id else None)
             if lost is None:
                 self._tasks[fut.task_id] = fut
             return lost
@@ -96,6 +100,8 @@ class Outstanding:
             others = [f for f in self._tasks.values()
                       if f.rank != rank and (f.run_id or f.group in groups)]
             abandon = others if spread and first else []
+            if spread and self._fatal is None:
+                self._fatal = err
             if not exited:
                 return Loss(first, [], abandon + own)  # a stopped rank may run them yet
             self._exited.add(rank)
