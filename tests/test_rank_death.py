@@ -33,7 +33,7 @@ from phalanx.runtime import (
 
 RANKS = 2
 FAIL_BOUND_S = 20.0  # the run must fail within this (the survivors never end)
-HUNG_DEADLINE_S = 4.0  # the busy tasks' deadline: a stopped rank is hung once it passes
+HUNG_DEADLINE_S = 6.0  # the busy tasks' deadline: a stopped rank is hung once it passes
 CLOSE_TIMEOUT_S = 10.0
 
 
