@@ -4,6 +4,13 @@ Lifecycle (``WorkerState``) and the contracts it keeps (DESIGN.md, "Contracts"):
 a failed task fails its run, never the worker; a failed cleanup or a dead rank poisons
 the worker (runs are refused with the reason; ``close()`` is still possible); ``close()``
 is idempotent, bounded, and retries only what its cleanup journal still owes.
+
+A lost rank fails what depends on it at once: a rank that died (EOF, or an exit found
+when a task fails) or hung (stopped by a signal once a task deadline passed) fails every
+outstanding task of every live run, on every rank, and every part of a ``call_ranks``
+call that includes it (outstanding.py decides which); the caller learns at once and
+close() stops the ranks that still run those tasks. Layers above use the public seams
+``call_ranks``, ``alive_ranks`` and ``add_close_step``.
 """
 
 from __future__ import annotations
