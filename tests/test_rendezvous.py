@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -124,7 +125,7 @@ def test_abort_wakes_waiters_and_refuses_late_arrivals(backend: str, tmp_path: P
     """One participant gives up: the ones already waiting stop at once with an abort
     (not after their 120 s timeout); after a second one gives up too, one arriving later
     is still refused; the purge leaves the resting marker count."""
-    def orch(o: phalanx.Orchestrator) -> tuple[list[str], int, int]:
+    def orch(o: phalanx.Orchestrator) -> tuple[list[str], int, int, int]:
         ranks = list(o.ranks)
         rest = o.submit(0, _markers).result()
         waiting = [o.submit(r, _wait_for_abort, 5, ranks) for r in ranks[:2]]
@@ -132,13 +133,15 @@ def test_abort_wakes_waiters_and_refuses_late_arrivals(backend: str, tmp_path: P
         outcomes = [f.result() for f in waiting]
         o.submit(0, _abort_after, 0.0, 5, ranks).result()  # a second rank gives up too
         outcomes.append(o.submit(2, _wait_for_abort, 5, ranks).result())  # late
-        o.submit(0, _purge, 5, ranks).result()
-        return outcomes, rest, o.submit(0, _markers).result()
+        purged = o.submit(0, _purge, 5, ranks).result()
+        return outcomes, rest, o.submit(0, _markers).result(), purged
 
     with phalanx.Worker(ranks=3, rendezvous=backend, runtime_dir=tmp_path) as w:
-        outcomes, rest, after = w.run(orch)
+        outcomes, rest, after, purged = w.run(orch)
     assert outcomes == ["aborted"] * 3
     assert after == rest
+    if backend == "store":  # every participant came and left: its last removed the keys
+        assert purged == 0
 
 
 def test_store_rank_that_times_out_tells_the_others(tmp_path: Path) -> None:
@@ -154,7 +157,7 @@ def test_store_rank_that_times_out_tells_the_others(tmp_path: Path) -> None:
     with phalanx.Worker(ranks=3, rendezvous="store", runtime_dir=tmp_path) as w:
         outcome, missing = w.run(orch)
     assert outcome == "aborted"
-    assert 2 in missing and 0 not in missing
+    assert missing == [2]  # rank 1 had arrived: its bit was in the arrivals key
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -189,6 +192,47 @@ def test_store_peer_with_wrong_token_is_refused(tmp_path: Path) -> None:
         host, port = w.store_address
         with pytest.raises(TokenMismatchError, match="refused"):
             StoreBackend(host, port, "not-the-token", w.generation, is_master=False, timeout=5)
+
+
+_RACES = 150
+
+
+def _race(ranks: list[int]) -> dict[int, str]:
+    """This rank's side of the race test: its outcome of each handshake."""
+    rank = phalanx.current_rank()
+    assert rank is not None
+    rng = random.Random(rank)
+    outcomes = {}
+    for alloc_id in range(1, _RACES + 1):
+        if rank == 2:
+            time.sleep(rng.uniform(0, 0.04))
+        try:
+            handshake("race", alloc_id, ranks, 30.0 if rank == 2 else 0.02)
+            outcomes[alloc_id] = "released"
+        except HandshakeAbortedError:
+            outcomes[alloc_id] = "aborted"
+        except HandshakeTimeoutError:
+            outcomes[alloc_id] = "timed out"
+    return outcomes
+
+
+def test_store_handshakes_racing_their_deadlines_agree_and_leave_no_key(tmp_path: Path) -> None:
+    """Ranks 0 and 1 give up after 20 ms while rank 2 arrives 0-40 ms late, 150 times:
+    timeouts race the last arrival, and aborts race later arrivals. Whatever the timing,
+    a handshake releases every participant or fails every one (the arrivals key's
+    invariant), and once all have left, none of its keys is left."""
+    def orch(o: phalanx.Orchestrator) -> tuple[list[dict[int, str]], int, int]:
+        ranks = list(o.ranks)
+        rest = o.submit(0, _markers).result()
+        futures = [o.submit(r, _race, ranks) for r in ranks]
+        return [f.result() for f in futures], rest, o.submit(0, _markers).result()
+
+    with phalanx.Worker(ranks=3, rendezvous="store", runtime_dir=tmp_path) as w:
+        outcomes, rest, after = w.run(orch)
+    for alloc_id in range(1, _RACES + 1):
+        seen = {per_rank[alloc_id] for per_rank in outcomes}
+        assert seen == {"released"} or "released" not in seen, (alloc_id, seen)
+    assert after == rest  # every handshake's keys went with its last participant
 
 
 _DOOMED_PARENT = textwrap.dedent("""

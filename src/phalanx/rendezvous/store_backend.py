@@ -166,7 +166,8 @@ class _Pool:
                 return self._idle.pop()
             if self._closed:
                 raise HandshakeError("the TCP store backend is closed")
-        clone = self._store.clone()  # a new connection: outside the lock
+            store = self._store
+        clone = store.clone()  # a new connection: outside the lock
         clone.set_timeout(timedelta(seconds=_GRACE_S))  # every reply but a wait's
         return clone
 
@@ -180,6 +181,7 @@ class _Pool:
         with self._lock:
             self._closed = True
             self._idle.clear()
+            self._store = None  # the last reference to the master stops its server
 
 
 class StoreBackend:
