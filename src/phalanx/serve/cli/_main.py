@@ -19,6 +19,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("phalanx.serve.cli.demo", "demo"),
     "doctor": ("phalanx.serve.cli.doctor", "doctor"),
     "cache": ("phalanx.serve.cli.cache", "cache"),
+    "serve": ("phalanx.serve.cli.serve", "serve"),
     "model": ("phalanx.serve.cli.model", "model"),
 }
 

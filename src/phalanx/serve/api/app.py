@@ -1,0 +1,364 @@
+"""The OpenAI-compatible HTTP API on Starlette: routes, one error mapping, auth.
+
+Thin by design (STYLE.md 15): decode and validate the request, turn it into token ids
+and sampling parameters, run it on the engine, shape the answer. Per-request errors
+(4xx) are apart from engine death (503); 500 is only for a bug.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from phalanx.engine import SamplingParams
+from phalanx.errors import EngineError, RequestError
+
+from . import responses as rsp
+from .engine_client import EngineClient
+from .errors import APIError, error_body
+from .metrics import Metrics
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    decode_request,
+)
+from .streams import Choices
+
+__all__ = ["ServeSettings", "build_app"]
+
+log = logging.getLogger("phalanx.serve")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _error(exc: APIError) -> Response:
+    return Response(exc.body(), status_code=exc.status, media_type="application/json",
+                    headers=exc.headers())
+
+
+class _Guard:
+    """ASGI middleware: API key (constant-time compare) and the body size limit (413),
+    both before a route reads anything."""
+
+    _OPEN = ("/health", "/metrics")
+
+    def __init__(self, app: ASGIApp, settings: ServeSettings) -> None:
+        self.app = app
+        self.key = settings.api_key.encode() if settings.api_key else None
+        self.limit = settings.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.key is not None and not scope["path"].startswith(self._OPEN):
+            given = headers.get(b"authorization", b"")
+            expected = b"Bearer " + self.key
+            if not hmac.compare_digest(given, expected):
+                await _error(APIError(
+                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key"))(scope, receive, send)
+                return
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await _error(self._too_large())(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise APIError(413, self._too_large().message)
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body exceeds {self.limit} bytes",
+                        code="request_too_large")
+
+
+class _Api:
+    """The routes, bound to one engine, its settings and its metrics."""
+
+    def __init__(self, engine: EngineClient, settings: ServeSettings, metrics: Metrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.settings.served_model_name!r} (see GET /v1/models)",
+                           param="model", code="model_not_found")
+
+    def _budget(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context "
+                           f"is {limit} tokens (prompt plus output)", param="prompt",
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise APIError(400, f"{param}={max_tokens} plus the prompt's {prompt_len} tokens "
+                           f"exceeds this model's context of {limit} tokens; lower {param}",
+                           param=param, code="context_length_exceeded")
+        return max_tokens
+
+    def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+            max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos, logprobs=logprobs)
+
+    async def _start(self, prompts: list[list[int]], params: list[SamplingParams],
+                     rid: str) -> Choices:
+        health = self.engine.health()
+        if not health.ok:
+            raise APIError(503, f"the engine is not serving: {health.reason}",
+                           code="engine_unavailable", retry_after=5)
+        streams = [self.engine.generate(f"{rid}-{i}", p, sp)
+                   for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        choices = Choices(streams)
+        try:
+            await choices.start()
+        except EngineError as exc:
+            raise _engine_error(exc) from exc
+        return choices
+
+    # -- routes -----------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        return _json({"object": "list", "data": [{
+            "id": self.settings.served_model_name, "object": "model",
+            "created": 0, "owned_by": "phalanx", "max_model_len": self.engine.max_model_len,
+        }]})
+
+    async def health(self, request: Request) -> Response:
+        h = self.engine.health()
+        body = {"status": "ok" if h.ok else "unavailable", "reason": h.reason, **h.detail}
+        return Response(msgspec.json.encode(body), status_code=200 if h.ok else 503,
+                        media_type="application/json",
+                        headers={} if h.ok else {"Retry-After": "5"})
+
+    async def metrics_route(self, request: Request) -> Response:
+        body, content_type = self.metrics.render(self.engine.stats())
+        return Response(body, media_type=content_type)
+
+    async def tokenize(self, request: Request) -> Response:
+        req = decode_request(await request.body(), TokenizeRequest)
+        self._check_model(req.model)
+        if req.messages is not None:
+            ids = self.engine.chat_prompt(_messages(req.messages))
+        else:
+            assert req.prompt is not None
+            ids = self.engine.tokenize(req.prompt, req.add_special_tokens)
+        return _json({"tokens": ids, "count": len(ids), "max_model_len":
+                      self.engine.max_model_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        req = decode_request(await request.body(), DetokenizeRequest)
+        self._check_model(req.model)
+        return _json({"prompt": self.engine.detokenize(req.tokens)})
+
+    async def completions(self, request: Request) -> Response:
+        req = decode_request(await request.body(), CompletionRequest)
+        self._check_model(req.model)
+        prompts = [self.engine.tokenize(p) if isinstance(p, str) else p
+                   for p in req.prompts()]
+        params = [self._params(req, self._budget(len(p), req.max_tokens, "max_tokens"),
+                               req.logprobs) for p in prompts]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        choices = await self._start(prompts, params, rid)
+        text = self.engine.token_text
+        want_lp = req.logprobs is not None
+        model = self.settings.served_model_name
+        if not req.stream:
+            states = await _collect(choices, len(prompts), request)
+            return _json(rsp.completion_response(rid, model, states, text, want_lp))
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[bytes]:
+            states = [rsp.ChoiceState(i) for i in range(len(prompts))]
+            async for i, d in choices.merged():
+                states[i].add(d)
+                if d.text or d.finish_reason is not None or d.token_ids:
+                    yield _sse(rsp.completion_chunk(rid, model, created, i, d, text, want_lp))
+            if include_usage:
+                yield _sse(rsp.usage_chunk(rid, model, created, "text_completion", states))
+            yield b"data: [DONE]\n\n"
+
+        return _stream(events(), choices)
+
+    async def chat(self, request: Request) -> Response:
+        req = decode_request(await request.body(), ChatCompletionRequest)
+        self._check_model(req.model)
+        prompt = self.engine.chat_prompt(_messages(req.messages))
+        param = "max_completion_tokens" if req.max_completion_tokens is not None \
+            else "max_tokens"
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = [self._params(req, self._budget(len(prompt), req.token_limit, param), k)]
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = await self._start([prompt], params, rid)
+        text = self.engine.token_text
+        model = self.settings.served_model_name
+        if not req.stream:
+            states = await _collect(choices, 1, request)
+            return _json(rsp.chat_response(rid, model, states, text, req.logprobs))
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[bytes]:
+            state = rsp.ChoiceState(0)
+            yield _sse(rsp.chat_chunk(rid, model, created, 0,
+                                      {"role": "assistant", "content": ""}, None, None))
+            async for _, d in choices.merged():
+                state.add(d)
+                lp = rsp.chat_logprobs(d.logprobs, text) if req.logprobs else None
+                if d.text or d.token_ids:
+                    yield _sse(rsp.chat_chunk(rid, model, created, 0, {"content": d.text},
+                                              None, lp))
+                if d.finish_reason is not None:
+                    yield _sse(rsp.chat_chunk(rid, model, created, 0, {}, d.finish_reason,
+                                              None))
+            if include_usage:
+                yield _sse(rsp.usage_chunk(rid, model, created, "chat.completion.chunk",
+                                           [state]))
+            yield b"data: [DONE]\n\n"
+
+        return _stream(events(), choices)
+
+
+def _messages(messages: list[Any]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def _engine_error(exc: EngineError) -> APIError:
+    if isinstance(exc, RequestError):  # this request was refused; the engine lives on
+        return APIError(400, str(exc), code="invalid_request")
+    return APIError(503, f"the engine failed this request: {exc}", code="engine_unavailable",
+                    retry_after=5)
+
+
+async def _collect(choices: Choices, n: int, request: Request) -> list[rsp.ChoiceState]:
+    """A non-streaming request's choices; a client that disconnects aborts them."""
+    import asyncio
+
+    states = [rsp.ChoiceState(i) for i in range(n)]
+
+    async def consume() -> None:
+        async for i, d in choices.merged():
+            states[i].add(d)
+
+    task = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:  # the client went away: abort the engine requests
+            task.cancel()
+            await choices.aclose()
+            raise APIError(499, "the client closed the connection")
+        try:
+            task.result()
+        except EngineError as exc:
+            raise _engine_error(exc) from exc
+    finally:
+        watcher.cancel()
+    return states
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _stream(events: AsyncIterator[bytes], choices: Choices) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in events:
+                yield chunk
+        except EngineError as exc:  # mid-stream: the status is sent; say it in the stream
+            err = _engine_error(exc)
+            yield b"data: " + err.body() + b"\n\n"
+        finally:
+            await choices.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def build_app(engine: EngineClient, settings: ServeSettings, metrics: Metrics, *,
+              lifespan: Any = None) -> ASGIApp:
+    """The ASGI application: routes, errors in OpenAI's shape, the guard middleware."""
+    api = _Api(engine, settings, metrics)
+    routes = [
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics_route, methods=["GET"]),
+    ]
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        metrics.client_error(exc.status)
+        return _error(exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}
+        err = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
+        return _error(err)
+
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        log.exception("bug while serving %s %s", request.method, request.url.path)
+        return Response(error_body(f"internal error ({type(exc).__name__}); this is a bug "
+                                   f"in phalanx, please report it", "server_error", None,
+                                   None), status_code=500, media_type="application/json")
+
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        APIError: on_api_error, HTTPException: on_http_error, Exception: on_bug}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    return _Guard(app, settings)

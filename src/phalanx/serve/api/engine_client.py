@@ -1,0 +1,73 @@
+"""What the HTTP layer needs from an engine: one small protocol, typed deltas.
+
+The server never reaches into the engine; it submits a request (token ids and sampling
+parameters) and iterates its deltas, aborts it when the client goes away, and asks
+whether the engine is healthy. :mod:`phalanx.serve.engine_adapter` implements it on
+:class:`phalanx.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = ["Delta", "EngineClient", "Health"]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one request produced since its previous delta.
+
+    ``token_ids`` and ``text`` are new output; ``logprobs`` has one entry per new token:
+    ``(token_id, logprob, [(alt_token_id, logprob), ...])``. The last delta carries
+    ``finish_reason`` ("stop" or "length") and the final counts.
+    """
+
+    token_ids: Sequence[int] = ()
+    text: str = ""
+    logprobs: Sequence[tuple[int, float, Sequence[tuple[int, float]]]] = ()
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_memory: int = 0
+    cached_disk: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Health:
+    """``ok`` while every rank is alive and the cache is reconciled; else the reason."""
+
+    ok: bool
+    reason: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The messages rendered through the model's chat template, as token ids."""
+        ...
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, for logprobs (``tokens`` and ``top_logprobs`` keys)."""
+        ...
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: Any) -> AsyncIterator[Delta]:
+        """Submit and stream; raises ``EngineBusyError`` (queue full, a 503) before the
+        first delta, ``EngineDeadError`` if the engine dies (a 503 too). Closing the
+        iterator early aborts the request and frees its KV."""
+        ...
+
+    def health(self) -> Health: ...
+
+    def stats(self) -> dict[str, Any]:
+        """Gauges and counters for /metrics (see :mod:`phalanx.serve.api.metrics`)."""
+        ...

@@ -1,0 +1,203 @@
+"""Request bodies of the OpenAI-compatible API, decoded and validated by msgspec.
+
+Fields follow OpenAI's order and names, plus the extensions vLLM's server accepts
+(``top_k``, ``stop_token_ids``, ``ignore_eos``). Unknown fields are ignored (clients
+send them); a wrong type or an out-of-range value is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, TypeVar
+
+import msgspec
+
+from .errors import APIError
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "StreamOptions",
+    "TokenizeRequest",
+    "decode_request",
+]
+
+MAX_LOGPROBS = 20
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+LogprobCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields completions and chat share."""
+
+    model: str | None = None
+    frequency_penalty: Penalty = 0.0
+    max_tokens: PositiveInt | None = None
+    n: PositiveInt = 1
+    presence_penalty: Penalty = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    user: str | None = None
+    # vLLM's extensions.
+    top_k: TopK = -1
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+
+    def check_common(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported: this server returns one choice "
+                           f"per request; send n=1 (or omit it) and repeat the request",
+                           param="n", code="unsupported_value")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) != 0.0:
+                raise APIError(400, f"{name} is not supported yet; send 0 or omit it",
+                               param=name, code="unsupported_value")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must be non-empty", param="stop")
+        if len(stops) > 16:
+            raise APIError(400, f"at most 16 stop strings, got {len(stops)}", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true",
+                           param="stream_options")
+
+
+class CompletionRequest(_Sampling, frozen=True, kw_only=True):
+    """``POST /v1/completions``: a prompt as a string, a list of strings, or token ids."""
+
+    # str | list[str] | list[int] | list[list[int]]; msgspec takes one array type in a
+    # union, so the list's items are a union and check() requires them homogeneous.
+    prompt: str | list[str | TokenId | list[TokenId]]
+    echo: bool = False
+    logprobs: LogprobCount | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise APIError(400, "echo=true is not supported; the prompt is not returned",
+                           param="echo", code="unsupported_value")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix",
+                           code="unsupported_value")
+        for prompt in self.prompts():
+            if len(prompt) == 0:
+                raise APIError(400, "the prompt is empty: send at least one token or "
+                               "character", param="prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: strings or token id lists (one choice each)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            return [[]]
+        if all(isinstance(x, int) for x in p):
+            return [[int(x) for x in p]]  # type: ignore[arg-type]
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token "
+                       "ids or a list of token id lists, not a mix", param="prompt")
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, object]] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        """The message's text: a string, or the ``text`` parts of a content list."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts: list[str] = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{index}].content[{j}]: only text parts "
+                               f"({{\"type\": \"text\", \"text\": ...}}) are supported",
+                               param=f"messages[{index}].content")
+            parts.append(str(part["text"]))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: LogprobCount | None = None
+    max_completion_tokens: PositiveInt | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if not self.messages:
+            raise APIError(400, "messages is empty: send at least one message",
+                           param="messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /tokenize``: a prompt, or chat messages through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /detokenize``: token ids back to text."""
+
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def decode_request(body: bytes, kind: type[T]) -> T:
+    """Decode and validate ``body`` as ``kind``; a 400 in OpenAI's shape if it is not."""
+    if not body.strip():
+        raise APIError(400, "the request body is empty: send a JSON object")
+    try:
+        request = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _AT.search(message)
+        param = match.group(1) if match else None
+        raise APIError(400, f"invalid request: {message}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    check = getattr(request, "check", None)
+    if check is not None:
+        check()
+    return request

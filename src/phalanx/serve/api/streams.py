@@ -1,0 +1,85 @@
+"""Running a request's choices: submit each, merge their deltas, abort on disconnect.
+
+A request with several prompts runs them as concurrent engine requests (one choice
+each); their deltas are merged as they come. The first delta of every choice is pulled
+*before* the response starts, so an early error (the queue is full, the engine died)
+still gets a real status code rather than an error inside a 200 stream. Closing the
+merged stream (the client went away, or the response ended) closes every engine
+iterator, which aborts what is still running and frees its KV at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+from .engine_client import Delta
+
+__all__ = ["Choices"]
+
+_DONE = object()
+
+
+class Choices:
+    """The engine streams of one HTTP request, one per choice, started eagerly."""
+
+    def __init__(self, streams: Sequence[AsyncIterator[Delta]]) -> None:
+        self._streams = list(streams)
+        self._first: list[Delta | None] = [None] * len(streams)
+        self._closed = False
+
+    async def start(self) -> None:
+        """Pull each choice's first delta; raises what the engine raised (before any byte
+        of the response is sent). On failure every stream is closed."""
+        try:
+            firsts = await asyncio.gather(*(anext(s) for s in self._streams))
+        except BaseException:
+            await self.aclose()
+            raise
+        self._first = list(firsts)
+
+    async def merged(self) -> AsyncIterator[tuple[int, Delta]]:
+        """(choice index, delta) in arrival order, first deltas first."""
+        queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+            try:
+                async for d in stream:
+                    await queue.put((i, d))
+            except Exception as exc:  # noqa: BLE001  re-raised in the consumer below
+                await queue.put((i, exc))
+            await queue.put((i, _DONE))
+
+        for i, first in enumerate(self._first):
+            if first is not None:
+                yield i, first
+        pending = {i for i, d in enumerate(self._first) if d is None or d.finish_reason is None}
+        tasks = [asyncio.create_task(pump(i, self._streams[i])) for i in sorted(pending)]
+        try:
+            while pending:
+                i, item = await queue.get()
+                if item is _DONE:
+                    pending.discard(i)
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    assert isinstance(item, Delta)
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for s in self._streams:
+            closer = getattr(s, "aclose", None)
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await closer()

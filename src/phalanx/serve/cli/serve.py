@@ -1,0 +1,90 @@
+"""``phalanx serve [MODEL_DIR]``: the OpenAI-compatible server (flags as vLLM names them)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+# Sizes of the embedded reference model (written on first use, same bytes everywhere).
+MODEL_SIZES = {
+    "tiny": {},  # the embedded default
+    "small": {"name": "phalanx-small", "layers": 8, "hidden": 512, "heads": 8,
+              "kv_heads": 4, "intermediate": 1376},
+}
+
+
+def _size(value: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    v = value.strip().lower().removesuffix("b").removesuffix("i")
+    if v and v[-1] in units:
+        return int(float(v[:-1]) * units[v[-1]])
+    return int(v)
+
+
+def _embedded(size: str) -> str:
+    from phalanx.engine.default_model import ModelSpec, default_model_dir
+
+    return str(default_model_dir(spec=ModelSpec(**MODEL_SIZES[size])))  # type: ignore[arg-type]
+
+
+@click.command("serve")
+@click.argument("model_dir", required=False, type=click.Path(file_okay=False, exists=True))
+@click.option("--tensor-parallel-size", "--tp", "tp", default=2, show_default=True, type=int,
+              help="rank processes the model is split across")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--api-key", default=None, envvar="PHALANX_API_KEY",
+              help="require 'Authorization: Bearer KEY' (also $PHALANX_API_KEY)")
+@click.option("--served-model-name", default=None, help="the model name clients send")
+@click.option("--max-model-len", default=None, type=int, help="context length (prompt + output)")
+@click.option("--max-num-seqs", default=16, show_default=True, type=int,
+              help="requests in the running batch")
+@click.option("--max-num-batched-tokens", default=512, show_default=True, type=int)
+@click.option("--max-waiting", default=256, show_default=True, type=int,
+              help="requests queued beyond the batch before a 503")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              default="auto", show_default=True)
+@click.option("--kv-cache-size", default="256M", show_default=True,
+              help="KV memory per rank (the memory tier)")
+@click.option("--prefix-cache-disk", default=None, type=click.Path(file_okay=False),
+              help="the persistent prefix cache's directory [default: the user's cache dir]")
+@click.option("--prefix-cache-disk-size", default="4G", show_default=True,
+              help="its capacity per rank")
+@click.option("--prefix-cache-max-age", default=None, type=float, help="seconds")
+@click.option("--no-prefix-cache-disk", is_flag=True, help="memory tier only")
+@click.option("--model-size", type=click.Choice(sorted(MODEL_SIZES)), default="tiny",
+              show_default=True, help="size of the embedded model (no MODEL_DIR)")
+@click.option("--no-restart", is_flag=True,
+              help="exit non-zero when a rank dies instead of restarting the ranks")
+@click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
+              help="seconds in-flight requests get at SIGTERM")
+def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | None,
+          served_model_name: str | None, max_model_len: int | None, max_num_seqs: int,
+          max_num_batched_tokens: int, max_waiting: int, dtype: str, kv_cache_size: str,
+          prefix_cache_disk: str | None, prefix_cache_disk_size: str,
+          prefix_cache_max_age: float | None, no_prefix_cache_disk: bool, model_size: str,
+          no_restart: bool, shutdown_timeout: float) -> None:
+    """Serve MODEL_DIR (a Hugging Face checkpoint; the embedded model by default) over an
+    OpenAI-compatible HTTP API, tensor-parallel across rank processes, with a prefix cache
+    kept in memory and on disk (identical on every rank, alive across restarts)."""
+    from phalanx.serve.server import ServerConfig, run_server
+
+    if tp < 1:
+        raise click.BadParameter(f"{tp}: must be >= 1", param_hint="--tensor-parallel-size")
+    if prefix_cache_disk and no_prefix_cache_disk:
+        raise click.UsageError("--prefix-cache-disk and --no-prefix-cache-disk contradict")
+    cfg = ServerConfig(
+        model=model_dir or _embedded(model_size), tensor_parallel_size=tp, host=host,
+        port=port, api_key=api_key or None, served_model_name=served_model_name,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
+        dtype=None if dtype == "auto" else dtype, kv_cache_bytes=_size(kv_cache_size),
+        prefix_cache_disk="" if no_prefix_cache_disk else prefix_cache_disk,
+        prefix_cache_disk_bytes=_size(prefix_cache_disk_size),
+        prefix_cache_max_age=prefix_cache_max_age, restart=not no_restart,
+        shutdown_timeout=shutdown_timeout,
+    )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(run_server(cfg))

@@ -1,0 +1,231 @@
+"""The engine thread: one :class:`~phalanx.engine.Engine` stepped while work is pending,
+bridged to the server's event loop.
+
+The engine is synchronous (``add_request``, ``abort``, ``step``) and owned by one
+thread, so nothing else ever touches it. Requests and aborts arrive through a command
+queue; each step's outputs go to the request's asyncio queue with
+``call_soon_threadsafe``. A client that goes away closes its stream, which queues an
+abort: its pages are freed at the next step.
+
+Health: the driver is healthy while the engine runs and every rank is alive. A rank
+that dies fails every request in flight at once (the engine's step raises, the runtime
+fails every outstanding task of the dead rank's job) and the driver turns unhealthy;
+an idle engine is watched too (``Worker.alive_ranks`` every ``watch_interval``), so
+``/health`` turns 503 within a second or two without a request to notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.engine import Engine, RequestOutput, SamplingParams
+from phalanx.engine.tokenizer import Tokenizer
+from phalanx.errors import EngineDeadError
+
+from .api.engine_client import Delta, Health
+from .api.errors import APIError
+
+__all__ = ["EngineDriver"]
+
+log = logging.getLogger("phalanx.serve")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Delta | BaseException]
+    submitted: float
+    sent_logprobs: int = 0
+
+
+class EngineDriver:
+    """Implements the HTTP layer's EngineClient on an engine thread."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, *,
+                 max_pending: int, watch_interval: float = 0.5,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = engine.max_model_len
+        self.max_pending = max_pending
+        self._watch_interval = watch_interval
+        self._on_death = on_death
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        # Invariant: a request id is in _streams from its submission until its final
+        # delta (or an error) was handed to its queue.
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="phalanx-engine", daemon=True)
+        self._thread.start()
+
+    # -- EngineClient -------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def health(self) -> Health:
+        dead = self._dead
+        if dead is not None:
+            return Health(False, f"the engine is dead: {dead}")
+        if self._stopping:
+            return Health(False, "the server is shutting down")
+        return Health(True)
+
+    def stats(self) -> dict[str, Any]:
+        try:
+            return dict(self.engine.stats())
+        except Exception as exc:  # noqa: BLE001  a scrape must not fail while the engine dies
+            return {"error": str(exc)}
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[Delta]:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        with self._lock:
+            if len(self._streams) >= self.max_pending:
+                raise APIError(503, f"the server is at capacity: {len(self._streams)} "
+                               f"requests in flight (limit {self.max_pending}); retry shortly",
+                               code="server_busy", retry_after=1)
+            self._streams[request_id] = stream
+        self._send("add", (request_id, prompt_token_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the client went away (or the server stops): free its KV
+                self._send("abort", request_id)
+
+    # -- the engine thread ------------------------------------------------------------
+
+    def _send(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item: Delta | BaseException, final: bool) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None) if final else \
+                self._streams.get(request_id)
+        if stream is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                rid, ids, params = payload
+                try:
+                    self.engine.add_request(rid, ids, params)
+                except Exception as exc:  # noqa: BLE001  this request's error, not the engine's
+                    self._deliver(rid, exc, final=True)
+            elif kind == "abort":
+                self.engine.abort(payload)
+                with self._lock:
+                    self._streams.pop(payload, None)
+
+    def _loop(self) -> None:
+        next_watch = time.monotonic() + self._watch_interval
+        while not self._stopping:
+            self._apply_commands()
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # noqa: BLE001  any step failure is the engine's death
+                    self._die(exc)
+                    return
+                for out in outputs:
+                    self._dispatch(out)
+                if self.engine.dead is not None:
+                    self._die(self.engine.dead)
+                    return
+            else:
+                self._wake.wait(self._watch_interval)
+                self._wake.clear()
+            if time.monotonic() >= next_watch:
+                next_watch = time.monotonic() + self._watch_interval
+                lost = self.engine.lost_ranks()
+                if lost:
+                    self._die(EngineDeadError(f"engine: {lost}"))
+                    return
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        comp = out.outputs[0]
+        stream = self._streams.get(out.request_id)
+        if out.error is not None:
+            self._deliver(out.request_id, out.error, final=True)
+            return
+        logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
+        if comp.logprobs is not None and stream is not None:
+            new = comp.logprobs[stream.sent_logprobs:]
+            stream.sent_logprobs = len(comp.logprobs)
+            for tok, entry in zip(comp.token_ids[-len(new):] if new else [], new, strict=True):
+                chosen = entry[tok].logprob
+                top = sorted(((t, lp.logprob) for t, lp in entry.items() if lp.rank),
+                             key=lambda x: -x[1])
+                logprobs.append((tok, chosen, top))
+        reason = comp.finish_reason
+        if reason == "abort":
+            reason = "stop"
+        delta = Delta(token_ids=list(comp.delta_token_ids), text=comp.delta_text,
+                      logprobs=logprobs, finish_reason=reason,
+                      prompt_tokens=len(out.prompt_token_ids),
+                      cached_memory=out.cached_tokens_memory,
+                      cached_disk=out.cached_tokens_disk,
+                      output_tokens=len(comp.token_ids))
+        self._deliver(out.request_id, delta, final=out.finished)
+
+    def _die(self, exc: BaseException) -> None:
+        self._dead = exc
+        log.error("engine died: %s", exc)
+        err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc))
+        with self._lock:
+            streams = list(self._streams)
+        for rid in streams:
+            self._deliver(rid, err, final=True)
+        if self._on_death is not None:
+            self._on_death(exc)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread (what is in flight is aborted), then close the engine."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+        with self._lock:
+            streams = list(self._streams)
+        for rid in streams:
+            self._deliver(rid, EngineDeadError("the server is shutting down"), final=True)
+        self.engine.close()

@@ -1,0 +1,160 @@
+"""``phalanx serve``: the engine, supervised, behind the HTTP API on uvicorn.
+
+Start-up: the model directory (the embedded default when none is given), the engine
+(ranks started, weights sliced, the disk tier recovered and reconciled), then the
+socket is bound and one line says the server is ready. Shutdown on SIGINT / SIGTERM:
+uvicorn stops admitting and gives in-flight requests ``shutdown_timeout`` seconds, then
+the engine and its Worker are closed, and the process exits 0 leaving nothing behind.
+A dead engine with ``restart=False`` ends the process with exit status 1.
+
+ASGI stack: Starlette (routing, requests, streaming responses) on uvicorn (HTTP/1.1,
+signals, graceful shutdown); see docs/design.md for why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .api.app import ServeSettings, build_app
+from .api.metrics import Metrics
+from .driver import EngineDriver
+from .supervisor import Supervisor
+
+__all__ = ["ServerConfig", "default_cache_dir", "run_server"]
+
+log = logging.getLogger("phalanx.serve")
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "phalanx" / "prefix-cache"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str | None = None
+    tensor_parallel_size: int = 2
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 256
+    dtype: str | None = None
+    kv_cache_bytes: int = 256 << 20
+    prefix_cache_disk: str | None = None     # None: default_cache_dir(); "" : disabled
+    prefix_cache_disk_bytes: int = 4 << 30
+    prefix_cache_max_age: float | None = None
+    restart: bool = True
+    max_restarts: int = 3
+    shutdown_timeout: float = 30.0
+    max_body_bytes: int = 4 << 20
+
+
+def _model_dir(cfg: ServerConfig) -> Path:
+    if cfg.model is not None:
+        return Path(cfg.model)
+    from phalanx.engine.default_model import default_model_dir
+
+    return Path(default_model_dir())
+
+
+def _disk_dir(cfg: ServerConfig) -> str | None:
+    if cfg.prefix_cache_disk == "":
+        return None
+    path = Path(cfg.prefix_cache_disk) if cfg.prefix_cache_disk else default_cache_dir()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return str(path)
+
+
+def _starter(cfg: ServerConfig, model_dir: Path, name: str
+             ) -> Callable[[Callable[[BaseException], None]], EngineDriver]:
+    def start(on_death: Callable[[BaseException], None]) -> EngineDriver:
+        from phalanx.engine import Engine, EngineConfig
+        from phalanx.engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(model_dir)
+        engine = Engine(EngineConfig(
+            model=str(model_dir), tensor_parallel_size=cfg.tensor_parallel_size,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len, dtype=cfg.dtype, kv_cache_bytes=cfg.kv_cache_bytes,
+            prefix_cache_disk=_disk_dir(cfg),
+            prefix_cache_disk_bytes=cfg.prefix_cache_disk_bytes,
+        ), tokenizer, eos_token_ids=None)
+        return EngineDriver(engine, tokenizer, name,
+                            max_pending=cfg.max_num_seqs + cfg.max_waiting, on_death=on_death)
+    return start
+
+
+def run_server(cfg: ServerConfig, *, ready: Callable[[str], None] | None = None) -> int:
+    """Serve until a signal (exit 0) or a fatal engine death (exit 1)."""
+    import uvicorn
+
+    model_dir = _model_dir(cfg)
+    name = cfg.served_model_name or model_dir.name
+    exit_code = 0
+    server: uvicorn.Server | None = None
+
+    def fatal(reason: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        if server is not None:
+            server.should_exit = True
+
+    supervisor = Supervisor(_starter(cfg, model_dir, name), restart=cfg.restart,
+                            max_restarts=cfg.max_restarts, on_fatal=fatal)
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.port))
+        host, port = sock.getsockname()[:2]
+        metrics = Metrics(name)
+        settings = ServeSettings(served_model_name=name, api_key=cfg.api_key,
+                                 max_body_bytes=cfg.max_body_bytes)
+        url = f"http://{host}:{port}"
+        line = _ready_line(url, name, cfg, supervisor)
+
+        @asynccontextmanager
+        async def lifespan(app: Any) -> AsyncIterator[None]:
+            (ready or _print)(line)
+            yield
+
+        app = build_app(supervisor, settings, metrics, lifespan=lifespan)
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level="warning", timeout_graceful_shutdown=int(cfg.shutdown_timeout),
+            access_log=False, lifespan="on"))
+        server.run(sockets=[sock])
+        sock.close()
+    finally:
+        supervisor.close(cfg.shutdown_timeout)
+    return exit_code
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def _ready_line(url: str, name: str, cfg: ServerConfig, supervisor: Supervisor) -> str:
+    stats = supervisor.stats()
+    records = stats.get("cache_disk_records") or {}
+    disk = (f"disk tier {sum(records.values()) // max(1, len(records))} records recovered "
+            f"per rank" if records else "disk tier off" if cfg.prefix_cache_disk == ""
+            else "disk tier empty")
+    return (f"phalanx serve: ready at {url} — model {name!r}, "
+            f"{cfg.tensor_parallel_size} rank(s) (tensor parallel), memory tier "
+            f"{stats.get('kv_pages_total', '?')} pages, {disk}")
+
+
+def main_entry(cfg: ServerConfig) -> None:
+    code = run_server(cfg)
+    sys.exit(code)

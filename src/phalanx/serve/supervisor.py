@@ -1,0 +1,157 @@
+"""The server's engine, supervised: a dead rank is noticed, reported, and healed.
+
+:class:`Supervisor` is what the HTTP layer talks to (it implements ``EngineClient`` by
+delegating to the current :class:`~phalanx.serve.driver.EngineDriver`). When the engine
+dies (a rank was killed, a step failed), every request in flight has already failed
+with an error naming the rank, ``/health`` answers 503, and the supervisor either
+restarts — closes the poisoned engine and its Worker, starts fresh ranks, recovers the
+disk tier (warm: its records are disk hits at once) — with at most ``max_restarts`` in
+``restart_window`` seconds, or, with ``restart=False`` (``--no-restart``), asks the
+server to exit non-zero for a supervisor that restarts the process itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from phalanx.engine import SamplingParams
+from phalanx.errors import EngineDeadError
+
+from .api.engine_client import Delta, Health
+from .driver import EngineDriver
+
+__all__ = ["Supervisor"]
+
+log = logging.getLogger("phalanx.serve")
+
+
+class Supervisor:
+    """Owns the current engine driver; restarts it after a death, within a budget."""
+
+    def __init__(self, start: Callable[[Callable[[BaseException], None]], EngineDriver], *,
+                 restart: bool, max_restarts: int = 3, restart_window: float = 600.0,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        self._start = start
+        self._restart = restart
+        self._max_restarts = max_restarts
+        self._window = restart_window
+        self._on_fatal = on_fatal
+        self._restarts: deque[float] = deque()
+        self.restart_count = 0
+        self._lock = threading.Lock()
+        self._closing = False
+        self._fatal: str | None = None
+        self._restarting: threading.Thread | None = None
+        self._driver: EngineDriver | None = start(self._died)
+        self.model_name = self._driver.model_name
+        self.max_model_len = self._driver.max_model_len
+
+    @property
+    def driver(self) -> EngineDriver:
+        d = self._driver
+        if d is None:
+            raise EngineDeadError(self._fatal or "the engine is restarting; retry shortly")
+        return d
+
+    # -- EngineClient -------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.driver.tokenize(text, add_special_tokens)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.driver.detokenize(token_ids)
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self.driver.chat_prompt(messages)
+
+    def token_text(self, token_id: int) -> str:
+        return self.driver.token_text(token_id)
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[Delta]:
+        return self.driver.generate(request_id, prompt_token_ids, params)
+
+    def health(self) -> Health:
+        if self._fatal is not None:
+            return Health(False, self._fatal)
+        d = self._driver
+        if d is None:
+            return Health(False, "the engine died and is restarting",
+                          {"restarts": self.restart_count})
+        h = d.health()
+        return Health(h.ok, h.reason, {**h.detail, "restarts": self.restart_count})
+
+    def stats(self) -> dict[str, Any]:
+        d = self._driver
+        s = d.stats() if d is not None else {}
+        s["engine_restarts"] = self.restart_count
+        return s
+
+    # -- death and restart --------------------------------------------------------------
+
+    def _died(self, exc: BaseException) -> None:
+        """Called on the engine thread when the engine died."""
+        with self._lock:
+            if self._closing or self._restarting is not None:
+                return
+            now = time.monotonic()
+            while self._restarts and now - self._restarts[0] > self._window:
+                self._restarts.popleft()
+            if not self._restart:
+                self._fatal = f"the engine died and --no-restart is set: {exc}"
+            elif len(self._restarts) >= self._max_restarts:
+                self._fatal = (f"the engine died {len(self._restarts) + 1} times within "
+                               f"{self._window:g} s (limit {self._max_restarts} restarts): "
+                               f"{exc}")
+            else:
+                self._restarts.append(now)
+                self._restarting = threading.Thread(target=self._heal, args=(exc,),
+                                                    name="phalanx-restart", daemon=True)
+                self._restarting.start()
+                return
+        log.error("%s", self._fatal)
+        if self._on_fatal is not None:
+            self._on_fatal(self._fatal or "")
+
+    def _heal(self, exc: BaseException) -> None:
+        log.warning("engine died (%s); restarting its ranks", exc)
+        old, self._driver = self._driver, None
+        try:
+            if old is not None:
+                old.close()
+        except Exception as close_exc:  # noqa: BLE001  the old ranks are gone either way
+            log.warning("closing the dead engine reported: %s", close_exc)
+        try:
+            if self._closing:
+                return
+            driver = self._start(self._died)
+        except Exception as start_exc:  # noqa: BLE001  a failed restart is fatal
+            self._fatal = f"the engine died ({exc}) and could not be restarted: {start_exc}"
+            log.error("%s", self._fatal)
+            if self._on_fatal is not None:
+                self._on_fatal(self._fatal)
+            return
+        finally:
+            with self._lock:
+                self._restarting = None
+        if self._closing:
+            driver.close()
+            return
+        self.restart_count += 1
+        self._driver = driver
+        log.warning("engine restarted (%d restart(s) so far)", self.restart_count)
+
+    def close(self, timeout: float = 60.0) -> None:
+        with self._lock:
+            self._closing = True
+            restarting = self._restarting
+        if restarting is not None:
+            restarting.join(timeout)
+        d, self._driver = self._driver, None
+        if d is not None:
+            d.close(timeout)
