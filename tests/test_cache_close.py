@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -179,3 +180,28 @@ def test_an_error_in_a_with_block_comes_up_beside_a_failing_close(
         stores.open(tmp_path)  # the lock stays owed
     stores.opened[0].close()  # the retry releases it
     assert stores.open(tmp_path).check() == []
+
+
+def test_close_lets_the_directory_go_only_once_a_store_in_flight_is_done(
+    tmp_path: Path, stores: Stores
+) -> None:
+    """A store admitted before close() still writes into the directory (its temp file,
+    the rename): the lock must not be released under it, or the file lands in a
+    directory another store may own by then."""
+    s = stores.open(tmp_path)
+    toks = np.arange(2 * PT)
+    failpoints.arm("cache.store.temp_written", "delay:1*1")  # written, not yet renamed
+    results = []
+    writer = threading.Thread(target=lambda: results.append(s.store(toks, page_row(toks))))
+    writer.start()
+    deadline = time.monotonic() + 30
+    while not failpoints.fired("cache.store.temp_written"):
+        assert time.monotonic() < deadline, "the store never reached its rename"
+        time.sleep(0.001)
+    s.close()
+    at_close = record_files(tmp_path)
+    writer.join(30)
+    assert not writer.is_alive() and results and results[0].stored
+    assert record_files(tmp_path) == at_close, "a record landed after close() returned"
+    again = stores.open(tmp_path)
+    assert again.lookup(toks) == 2 and again.check() == []

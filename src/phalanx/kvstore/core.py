@@ -7,8 +7,8 @@ is handed this one object at construction, so what they share is written down in
 place, with the lock that guards it, instead of being attributes a mixin assumes.
 
 Invariant: ``index``, ``scheduler``, ``stats``, ``reserved``, ``inflight``,
-``retired`` and ``state`` are read and written under ``mutex`` only; file I/O runs
-outside it. ``io``, ``files``, ``rings`` and ``staging`` are thread-safe themselves.
+``retired``, ``writers`` and ``state`` are read and written under ``mutex`` only; file
+I/O runs outside it. ``io``, ``files``, ``rings`` and ``staging`` are thread-safe themselves.
 """
 
 from __future__ import annotations
@@ -63,6 +63,14 @@ class StoreCore:
     # loads finish, no new file may take the name (they read the old one by name and
     # at the old record's offsets)
     retired: dict[bytes, Record] = field(default_factory=dict)
+    # store calls between their admission and their indexing: each may still create,
+    # write and rename files in the directory, so close() lets the directory go (its
+    # lock) only once none is left; ``idle`` (on ``mutex``) is notified when it drops to 0
+    writers: int = 0
+    idle: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.idle = threading.Condition(self.mutex)
 
     def is_open(self) -> bool:
         return self.state is StoreState.OPEN

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from phalanx.lifecycle import CleanupError, CleanupJournal
+from phalanx.lifecycle import CleanupError, CleanupJournal, ResourceUncertainError
 from phalanx.lifecycle.failpoints import Failpoint
 
 from .buffers import MAP_MIN, ParallelReader
@@ -55,6 +55,10 @@ from .uring import Rings, unsupported_reason
 __all__ = ["DiskStore", "StoreResult"]
 
 log = logging.getLogger("phalanx.kvstore")
+
+# a record write takes milliseconds; a store still writing after this long is on a
+# failing disk or a hung network file system (as loads.py's ring deadline)
+_CLOSE_DRAIN_S = 120.0
 
 _FP_SEAL = Failpoint("cache.close.seal", "close wrote the snapshot; about to seal it")
 _FP_CLOSE_LOCK = Failpoint("cache.close.lock",
@@ -184,7 +188,9 @@ class DiskStore:
 
     # -- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
-        """Write the header snapshot if the index changed and seal it, stop the I/O
+        """Wait for store calls already admitted to finish writing (at most
+        ``_CLOSE_DRAIN_S``; past it nothing is released and a later close() retries),
+        write the header snapshot if the index changed and seal it, stop the I/O
         threads (loads already reading finish), close the rings and the descriptors,
         release the directory lock.
 
@@ -194,8 +200,22 @@ class DiskStore:
         A snapshot or seal that cannot be written (OSError) is logged and skipped, not
         a failure: the next open checks or reads those headers.
         """
-        with self._core.mutex:
-            self._core.state = StoreState.CLOSED
+        core = self._core
+        with core.mutex:
+            core.state = StoreState.CLOSED
+            # a store admitted before still creates and renames files in the directory:
+            # the snapshot must cover it and the lock must not go under it
+            # (test_close_lets_the_directory_go_only_once_a_store_in_flight_is_done)
+            drained = core.idle.wait_for(lambda: not core.writers, _CLOSE_DRAIN_S)
+            writers = core.writers
+        if not drained:
+            raise CleanupError(
+                f"cache store {self.directory}: close() released nothing", [
+                    ResourceUncertainError(
+                        f"cache store {self.directory}: {writers} store call(s) still "
+                        f"writing into the directory after {_CLOSE_DRAIN_S:g}s (a failing "
+                        "disk or a hung file system?); it stays locked and owned, and the "
+                        "next close() tries again")])
         # outside the mutex: a reader thread finishing a load may need it (a corrupt
         # record is dropped under it), and closing waits for those threads
         self._journal.run()

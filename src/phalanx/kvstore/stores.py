@@ -148,6 +148,7 @@ class Writer:
         with self._core.mutex:
             self._core.check_open()
             writes = self._admit_locked(prepared)
+            self._core.writers += 1  # until indexed: close() waits for it (core.py)
         try:
             if len(writes) == 1:  # alone: its checksums may overlap its write
                 self._write(writes[0], overlap=True)
@@ -251,12 +252,19 @@ class Writer:
                 wait_all([checksums])  # never leave a thread reading the caller's row
 
     def _index_written(self, writes: list[_Write]) -> None:
-        """Release every admitted row; index, in order, those written."""
-        with self._core.mutex:
-            for w in writes:
-                self._release_locked(w)
-                if w.written:
-                    self._index_locked(w)
+        """Release every admitted row; index, in order, those written. The call is no
+        longer a writer then (close() may let the directory go)."""
+        core = self._core
+        with core.mutex:
+            try:
+                for w in writes:
+                    self._release_locked(w)
+                    if w.written:
+                        self._index_locked(w)
+            finally:
+                core.writers -= 1
+                if not core.writers:
+                    core.idle.notify_all()
 
     def _release_locked(self, w: _Write) -> None:
         if w.reserved:
