@@ -281,7 +281,11 @@ def test_a_staging_entry_that_is_not_a_directory_of_ours_is_refused(
     {"capacity_bytes": 0}, {"capacity_bytes": 1, "max_jobs_per_poll": 0},
     {"capacity_bytes": 1, "open_files": -1}, {"capacity_bytes": 1, "io_threads": 0},
     {"capacity_bytes": 1, "bad_files": "shred"},
-], ids=["capacity", "max_jobs_per_poll", "open_files", "io_threads", "bad_files"])
+    # not "never": every leaf would expire at the first poll (0, negative) or none (NaN)
+    {"capacity_bytes": 1, "max_age": 0.0}, {"capacity_bytes": 1, "max_age": -1.0},
+    {"capacity_bytes": 1, "max_age": float("nan")},
+], ids=["capacity", "max_jobs_per_poll", "open_files", "io_threads", "bad_files",
+        "max_age_zero", "max_age_negative", "max_age_nan"])
 def test_a_bad_knob_is_refused_where_the_options_are_written(knobs: dict[str, Any]) -> None:
     name = next(k for k in reversed(knobs))
     with pytest.raises(ValueError, match=name):

@@ -63,6 +63,10 @@ class StoreOptions:
             raise ValueError(
                 f"StoreOptions: capacity_bytes ({self.capacity_bytes}) and "
                 f"max_jobs_per_poll ({self.max_jobs_per_poll}) must be positive")
+        if self.max_age is not None and not self.max_age > 0:  # NaN too: never expires
+            raise ValueError(
+                f"StoreOptions: max_age must be positive seconds, or None for never, not "
+                f"{self.max_age} (0 or less would expire every leaf at the next poll)")
         if self.open_files is not None and self.open_files < 0:
             raise ValueError(
                 f"StoreOptions: open_files must be 0 (none kept) or more, not {self.open_files}")
