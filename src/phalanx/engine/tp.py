@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import struct
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -77,10 +78,20 @@ class DomainComm:
 
     The domain's window is the staging area: give it at least ``2 * 64 KiB``; larger
     windows move a prefill's activations in fewer rounds.
+
+    Tensors over the windows live only for one call, never between calls: a live export
+    of a window makes unmapping it fail (``BufferError``), and a domain is released at
+    its run's fence, which a dead peer can bring while this rank is idle between steps
+    (tests/test_engine_llm.py, the killed-rank test). An error leaves a collective
+    without its traceback's frames for the same reason (they hold such tensors); its
+    message names the domain, the rank and the peer. The view itself is held weakly, so
+    a runner that outlives its domain (a run failed under it) keeps none of the
+    domain's mappings (the view's notify-pool flags among them) from being unmapped.
     """
 
     def __init__(self, view: DomainView) -> None:
-        self.view = view
+        self._view = weakref.ref(view)
+        self.name = view.name
         self.rank = view.domain_rank
         self.size = view.domain_size
         window = len(view.window)
@@ -88,49 +99,59 @@ class DomainComm:
         if self.half < 4096:
             raise EngineError(f"domain {view.name!r}: a TP domain needs a window of at least "
                               f"8 KiB for staging (it has {window} bytes)")
-        # [domain rank][half] -> uint8 tensor over that member's window, mapped once
-        self._bufs = [[self._peer_tensor(r)[h * self.half:(h + 1) * self.half]
-                       for h in (0, 1)] for r in range(self.size)]
         self._round = 0
+        self._closed = False
 
     def close(self) -> None:
-        """Drop the tensors over the members' windows (idempotent). Call it before the
-        domain is released: a live export of a window would make unmapping it fail."""
-        self._bufs = []
+        """Refuse further collectives (idempotent)."""
+        self._closed = True
 
-    def _peer_tensor(self, r: int) -> torch.Tensor:
-        mem = self.view.window if r == self.rank else self.view.peer_window(r)
-        return torch.frombuffer(mem, dtype=torch.uint8)
+    @property
+    def view(self) -> DomainView:
+        view = self._view()
+        if view is None:
+            raise EngineError(f"TP domain {self.name!r} was released; its communicator (rank "
+                              f"{self.rank} of {self.size}) cannot be used")
+        return view
 
-    def _next(self) -> int:
-        if not self._bufs:
-            raise EngineError(f"domain {self.view.name!r}: this TP communicator was closed")
+    def _members(self) -> tuple[int, list[torch.Tensor]]:
+        """The next round's half and, per member, a uint8 tensor over that half of its
+        window (for this call only)."""
+        if self._closed:
+            raise EngineError(f"domain {self.name!r}: this TP communicator was closed")
+        view = self.view
         h = self._round % 2
         self._round += 1
-        return h
+        lo, hi = h * self.half, (h + 1) * self.half
+        return h, [torch.frombuffer(view.window if r == self.rank else view.peer_window(r),
+                                    dtype=torch.uint8)[lo:hi] for r in range(self.size)]
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place (``t`` must be contiguous)."""
         if self.size == 1:
             return t
         if not t.is_contiguous():
-            raise EngineError(f"domain {self.view.name!r}: all_reduce sums in place and needs "
+            raise EngineError(f"domain {self.name!r}: all_reduce sums in place and needs "
                               f"a contiguous tensor (got strides {t.stride()})")
-        flat = t.view(-1)
-        per = self.half // t.element_size()
+        try:
+            self._all_reduce(t.view(-1))
+        except Exception as exc:  # noqa: BLE001 - re-raised, only its frames dropped
+            raise exc.with_traceback(None)  # noqa: B904 - the same error, not a new one
+        return t
+
+    def _all_reduce(self, flat: torch.Tensor) -> None:
+        per = self.half // flat.element_size()
         for start in range(0, flat.numel(), per):
             n = min(per, flat.numel() - start)
-            nbytes = n * t.element_size()
-            h = self._next()
-            own = self._bufs[self.rank][h][:nbytes].view(t.dtype)
-            own.copy_(flat[start:start + n])
+            nbytes = n * flat.element_size()
+            _, bufs = self._members()
+            parts = [b[:nbytes].view(flat.dtype) for b in bufs]
+            parts[self.rank].copy_(flat[start:start + n])
             self.view.barrier()
             out = flat[start:start + n]
-            torch.add(self._bufs[0][h][:nbytes].view(t.dtype),
-                      self._bufs[1][h][:nbytes].view(t.dtype), out=out)
+            torch.add(parts[0], parts[1], out=out)
             for r in range(2, self.size):
-                out.add_(self._bufs[r][h][:nbytes].view(t.dtype))
-        return t
+                out.add_(parts[r])
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` concatenated on dim 0, in domain-rank order."""
@@ -138,42 +159,51 @@ class DomainComm:
             return t
         src = t.contiguous().view(-1).view(torch.uint8)
         out = torch.empty((self.size, src.numel()), dtype=torch.uint8)
+        try:
+            self._all_gather(src, out)
+        except Exception as exc:  # noqa: BLE001 - re-raised, only its frames dropped
+            raise exc.with_traceback(None)  # noqa: B904 - the same error, not a new one
+        return out.view(t.dtype).view(self.size * t.shape[0], *t.shape[1:])
+
+    def _all_gather(self, src: torch.Tensor, out: torch.Tensor) -> None:
         for start in range(0, src.numel(), self.half):
             n = min(self.half, src.numel() - start)
-            h = self._next()
-            self._bufs[self.rank][h][:n].copy_(src[start:start + n])
+            _, bufs = self._members()
+            bufs[self.rank][:n].copy_(src[start:start + n])
             self.view.barrier()
             for r in range(self.size):
-                out[r, start:start + n].copy_(self._bufs[r][h][:n])
-        return out.view(t.dtype).view(self.size * t.shape[0], *t.shape[1:])
+                out[r, start:start + n].copy_(bufs[r][:n])
 
     def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
         """``data`` of rank ``root`` on every rank (length first, then chunks)."""
         if self.rank == root and data is None:
-            raise EngineError(f"domain {self.view.name!r}: broadcast_bytes root (rank {root}) "
+            raise EngineError(f"domain {self.name!r}: broadcast_bytes root (rank {root}) "
                               f"passed no data")
-        payload = memoryview(data if self.rank == root and data is not None else b"")
+        try:
+            return self._broadcast(data if self.rank == root and data is not None else b"",
+                                   root)
+        except Exception as exc:  # noqa: BLE001 - re-raised, only its frames dropped
+            raise exc.with_traceback(None)  # noqa: B904 - the same error, not a new one
+
+    def _broadcast(self, data: bytes, root: int) -> bytes:
+        payload = memoryview(data)
         total = len(payload)
         got = bytearray()
         offset = 0
         first = True
         while first or offset < total:
-            h = self._next()
+            _, bufs = self._members()
+            buf = bufs[root].numpy()
             room = self.half - (_LEN.size if first else 0)
+            at = _LEN.size if first else 0
             if self.rank == root:
-                buf = self._bufs[root][h].numpy()
-                at = 0
                 if first:
                     buf[:_LEN.size] = memoryview(_LEN.pack(total)).cast("B")
-                    at = _LEN.size
                 n = min(room, total - offset)
                 buf[at:at + n] = payload[offset:offset + n]
             self.view.barrier()
-            buf = self._bufs[root][h].numpy()
-            at = 0
             if first:
                 (total,) = _LEN.unpack(bytes(buf[:_LEN.size]))
-                at = _LEN.size
             n = min(room, total - offset)
             if self.rank != root:
                 got += bytes(buf[at:at + n])
