@@ -18,6 +18,7 @@ import concurrent.futures
 import hashlib
 import itertools
 import json
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -36,6 +37,8 @@ from .sequence import FinishReason
 from .sequence import Sequence as Seq
 
 __all__ = ["Engine", "EngineConfig", "RankGroup", "TokenizerLike", "model_fingerprint"]
+
+log = logging.getLogger("phalanx.engine")
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _TP_WINDOW = 4 << 20          # per-rank staging window of the TP domain
@@ -103,19 +106,45 @@ def _rank_open(runner_id: str, model_dir: str, view: Any, kwargs: dict[str, Any]
     return runner.memory()
 
 
+# A rank's runner is used by one step at a time; closing it waits for the step in
+# progress (after a peer died, rank 0's step ends at its next barrier) so the runner's
+# views of the TP domain's windows are gone before the domain is released.
+_EXEC_LOCK = threading.Lock()
+_CLOSE_WAIT_S = 60.0
+
+
 def _rank_execute(runner_id: str, plan: bytes) -> bytes | None:
     from .plan import decode_plan, encode_result
     from .runner import get_runner
 
-    runner = get_runner(runner_id)
-    result = runner.execute(decode_plan(plan))
-    return encode_result(result) if runner.comm.rank == 0 else None
+    failed: str | None = None
+    with _EXEC_LOCK:
+        runner = get_runner(runner_id)
+        rank = runner.comm.rank
+        try:
+            result = runner.execute(decode_plan(plan))
+        except Exception as exc:  # noqa: BLE001  re-raised below, without its frames
+            # the traceback's frames hold tensors over the domain's windows: keep only
+            # the message, so nothing maps the windows once the step is over
+            failed = f"{type(exc).__name__}: {exc}"
+    if failed is not None:
+        raise EngineError(f"rank {rank}: step failed: {failed}")
+    return encode_result(result) if rank == 0 else None
 
 
 def _rank_close(runner_id: str) -> None:
+    import gc
+
     from .runner import close_runner
 
-    close_runner(runner_id)
+    if not _EXEC_LOCK.acquire(timeout=_CLOSE_WAIT_S):
+        raise EngineError(f"runner {runner_id}: a step still runs after {_CLOSE_WAIT_S:g}s; "
+                          "cannot close it")
+    try:
+        close_runner(runner_id)
+    finally:
+        _EXEC_LOCK.release()
+    gc.collect()   # frames of a failed step may sit in reference cycles
 
 
 # -- the parent side ------------------------------------------------------------------
@@ -197,17 +226,18 @@ class RankGroup:
     def _close_runners(self, o: Any) -> None:
         # The runners map the domain's windows: they must be gone before the domain's
         # release (at this run's fence), on every rank still alive after a failure too.
-        alive = set(self.worker.alive_ranks())
-        futs = [o.submit(r, _rank_close, self.runner_id) for r in o.ranks if r in alive]
-        errors: list[BaseException] = []
-        for f in futs:
-            try:
+        # After a rank died this run takes no new task: close through call_ranks then.
+        if self.dead is None:
+            for f in [o.submit(r, _rank_close, self.runner_id) for r in o.ranks]:
                 f.result()
-            except Exception as exc:  # noqa: BLE001  collected, raised below unless dead
-                errors.append(exc)
-        if errors and self.dead is None:
-            raise EngineError(f"closing the runners failed on {len(errors)} rank(s): "
-                              f"{errors[0]!r}") from errors[0]
+            return
+        alive = self.worker.alive_ranks()
+        outcomes = self.worker.call_ranks(alive, _rank_close, self.runner_id,
+                                          timeout=_CLOSE_WAIT_S + 10)
+        for rank, out in outcomes.items():
+            if out.error is not None:
+                log.warning("engine: closing the runner on rank %d after a failure: %r",
+                            rank, out.error)
 
     def _fail_queued(self, exc: BaseException) -> None:
         while True:
@@ -368,6 +398,35 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine died (a rank lost, a step failed), or None while it serves."""
+        return self._dead
+
+    def lost_ranks(self) -> str | None:
+        """A sentence naming the ranks that are gone, checked without a step (so an idle
+        engine notices a death too), or None while every rank is alive."""
+        alive = set(self.group.worker.alive_ranks())
+        lost = sorted(set(range(self.group.tp)) - alive)
+        return f"rank(s) {lost} of {self.group.tp} died" if lost else None
+
+    def stats(self) -> dict[str, Any]:
+        """Gauges and counters for a server's metrics (cheap: no call into the ranks)."""
+        pool, sched, c = self.scheduler.pool, self.scheduler, self.scheduler.pool.counters
+        memory, disk, computed = c.prompt_memory, c.prompt_disk, c.prompt_computed
+        return {
+            "num_requests_running": len(sched.running),
+            "num_requests_waiting": len(sched.waiting),
+            "kv_cache_usage_perc": 1.0 - pool.num_free / pool.num_pages,
+            "kv_pages_total": pool.num_pages,
+            "ranks_alive": len(self.group.worker.alive_ranks()),
+            "prefix_cache_queries": memory + disk + computed,
+            "prefix_cache_hits_memory": memory,
+            "prefix_cache_hits_disk": disk,
+            "prompt_tokens_computed": computed,
+            "num_preemptions": c.preemptions,
+        }
 
     @property
     def counters(self) -> Any:
