@@ -1,48 +1,49 @@
 """The TCP-store handshake backend: keys in torch's c10d ``TCPStore`` (multi-host).
 
 Rank 0 creates the store (torch's libuv server) and the others join it. Only torch's
-public ``Store`` API is used (``add``, ``set``, ``wait``, ``compare_set``,
-``delete_key``, ``check``, ``clone``), so any torch release that keeps that API works.
+public ``Store`` API is used (``barrier``, ``add``, ``set``, ``get``, ``wait``,
+``delete_key``, ``check``, ``clone``), so a torch release that keeps it works.
 
-A handshake (alloc id A, tag T, N participants) has two keys:
+A handshake (alloc id A, tag T, N participants) meets on one key, an int64:
 
-* ``arrivals`` (an int64): bit *i* is participant *i*'s arrival; bit 62 is ABORTED.
-* ``release`` (an int64): written once, when the handshake is decided: ``GO`` or
-  ``ABORT`` in its high half, and in its low half the number of participants that
-  have read it (departed).
+    bits 0-6     arrivals: ``Store.barrier(key, N)`` adds one and waits for N
+    bits 7-12    aborts: each abort adds one here
+    bits 13..    departures: one bit per participant position
 
-Round trips per participant, on the way through:
+On the way through, a participant pays two round trips, and the last to leave a third:
 
-* arrive: ``add(arrivals, 1 << i)``. Its reply says whether this is the last arrival.
-* the last arrival *sets* ``release = GO + 1`` (one-way: torch's ``set`` has no reply)
-  and deletes ``arrivals`` (one round trip): every other participant already arrived,
-  so nobody adds to it again.
-* the others ``wait([release])`` (woken by the set) and depart with
-  ``add(release, 1)``, whose reply is the outcome; the one that counts N deletes
-  ``release``: every participant has read it, nobody reads it again.
+* arrive and wait: ``barrier(key, N, timeout)``. The server counts the arrival and
+  wakes every waiter when the N-th comes (or when anything else writes the key: an
+  abort), so the release costs no round trip after the last arrival.
+* depart: ``add(key, 1 << (13 + position))``, whose reply is the outcome (no abort
+  counted: released); the one whose bit completes the departures deletes the key,
+  which nobody reads again.
 
-So the last arrival pays two round trips and a send, the others two plus the wake
-(and the last to leave one more); torch's store barrier pays three or four and leaves
-two keys behind per barrier. This leaves none.
+torch's own store barrier pays three or four requests a rank and leaves two keys
+behind per barrier; this leaves none.
 
-Aborts and timeouts. Consistency invariant, on the ``arrivals`` key: ABORTED is set
-only by a ``compare_set`` that saw some arrival bit missing (and no ABORTED), and
-arrival bits are only ever added. So "every arrival bit without ABORTED" and
-"ABORTED" exclude each other for ever: exactly one of them happens first, its author
-writes ``release`` (the last arrival with GO, the aborter with ABORT, create-only),
-and every participant's outcome is what ``release`` says. No participant succeeds
-where another gave up.
+Consistency invariant: the handshake is released iff its N-th arrival comes before its
+first abort in the key's history. Both are writes to one key, so the server orders
+them. A participant that reads no abort was woken by the N-th arrival (nothing else
+writes the key before a wake): released, and any abort after that is void. The first
+aborter learns from its own ``add`` how many had arrived and publishes the verdict
+(released iff N had) in a second key, ``verdict``, which every participant that reads
+an abort waits for and reads. So every participant reaches the same outcome: none
+succeeds where another gave up.
 
-* ``abort`` sets ABORTED unless every participant arrived, then creates ``release``:
-  waiters wake at once, a later arrival reads ABORTED in its ``add`` reply.
-* a participant that times out does the same: if every participant had arrived after
-  all, it succeeds with them; otherwise it has aborted the handshake, so the others
-  wake now rather than at their own deadlines, and its error names the ranks whose
-  bits were missing.
-* a participant that loses its connection before departing withdraws the same way on
-  a fresh one.
+* ``abort`` adds one abort: waiters wake at once, and a later arrival's barrier returns
+  at once (the key is past N) and reads the abort.
+* a participant that times out aborts the same way: if every participant had arrived
+  after all (its timeout raced the last arrival), the abort is void and it succeeds
+  with them; otherwise the others wake now rather than at their own deadlines, and its
+  error names the ranks whose departures (after the wake) are missing.
+* a participant that loses its connection mid-handshake withdraws the same way on a
+  fresh one.
 
-What an abort leaves (keys of participants that never came) is removed by ``purge``.
+``verdict`` holds the outcome and how many participants are done with it: the first
+aborter counts those that had departed before the abort (they never read it) and
+itself; each later reader adds one; the N-th deletes it. What an abort leaves (the keys
+of participants that never came) is removed by ``purge``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ import contextlib
 import enum
 import hashlib
 import hmac
-import logging
 import os
 import threading
 import time
@@ -70,14 +70,16 @@ from .handshake import _REMOVE, _aborted, _check, _timeout, publish_point
 
 __all__ = ["StoreBackend", "job_prefix"]
 
-log = logging.getLogger("phalanx.rendezvous")
-
-_MAX_PARTICIPANTS = 56  # arrival bits of an int64 counter, under the ABORTED bit
-_ABORTED = 1 << 62  # on the arrivals key
-_GO = 1 << 32  # release's high half: the outcome; its low half counts departures
-_ABORT = 2 << 32
-_DEPARTED = (1 << 32) - 1
-_GRACE_S = 5.0  # for the store's answers, and for a decided release to appear
+_MAX_PARTICIPANTS = 48  # departure bits of an int64 key, above the two counters
+_ARRIVALS = 0x7F
+_ABORT = 1 << 7  # one abort
+_ABORTS = 0x3F << 7
+_DEPARTED_SHIFT = 13
+_VERDICT = 1 << 32  # in the verdict key: 1 or 2 times this (released, aborted), plus
+_RELEASED, _ABORTED = 1, 2  # the number of participants done with it
+_DONE = _VERDICT - 1
+_GRACE_S = 5.0  # for the store's answers, and for a verdict to appear
+_POLL_S = (0.0002, 0.02)  # first and longest pause when collecting the departures
 
 
 def job_prefix(token: str, generation: str) -> str:
@@ -111,18 +113,17 @@ def _normal_scheduling() -> Iterator[None]:
         os.sched_setscheduler(0, policy, os.sched_param(0))
 
 
-class _Decision(enum.Enum):
-    """What an attempt to abort a handshake found on its arrivals key."""
-
-    ABORTED_NOW = "aborted now"  # this call set ABORTED: it must write the release
-    ABORTED_BEFORE = "aborted before"  # someone else did (and writes the release)
-    COMPLETE = "complete"  # every participant had arrived: released, not aborted
-    GONE = "gone"  # the key is deleted: its last arrival released it, then removed it
-
-
 class _Outcome(enum.Enum):
     RELEASED = "released"
     ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class _Missing:
+    """This rank timed out and aborted the handshake: who had not come (positions);
+    empty if every one of them came, but after the abort."""
+
+    positions: list[int]
 
 
 @dataclass(frozen=True)
@@ -133,20 +134,16 @@ class _Where:
     alloc_id: int
     rank: int
     address: str
-    arrivals: str
-    release: str
+    key: str
+    verdict: str
 
     def error(self, what: str) -> HandshakeError:
         return HandshakeError(f"handshake {self.tag!r} of allocation {self.alloc_id}: rank "
                               f"{self.rank} {what} (TCP store at {self.address})")
 
 
-@dataclass
-class _Progress:
-    """How far this participant got: what a withdrawal must undo."""
-
-    arrived: int | None = None  # the arrivals key's value its arrival made
-    departed: bool = False
+def _departures(value: int, n: int) -> int:
+    return value >> _DEPARTED_SHIFT & ((1 << n) - 1)
 
 
 class _Pool:
@@ -227,7 +224,7 @@ class StoreBackend:
 
     def _where(self, tag: str, alloc_id: int, rank: int) -> _Where:
         base = f"{self.prefix}/hs/{alloc_id}/{tag}"
-        return _Where(tag, alloc_id, rank, self.address, f"{base}/arrivals", f"{base}/release")
+        return _Where(tag, alloc_id, rank, self.address, f"{base}/meet", f"{base}/verdict")
 
     # -- the handshake ---------------------------------------------------------------
     def handshake(self, tag: str, alloc_id: int, participants: Sequence[int], rank: int,
@@ -240,195 +237,176 @@ class StoreBackend:
         deadline = time.monotonic() + timeout
         publish_point(tag, alloc_id, rank)
         position, n = participants.index(rank), len(participants)
-        progress = _Progress()
         try:
             store = self._pool.take()
         except self._dist_error as exc:
             raise where.error(f"cannot reach the TCP store: {exc}") from exc
+        departing = [False]  # set once this rank sends its departure (never sent twice)
         try:
-            outcome = self._meet(store, where, n, position, deadline, progress)
+            outcome = self._meet(store, where, n, position, deadline, departing)
         except HandshakeError:
             self._pool.give(store)  # raised between requests: the connection is in step
             raise
         except self._dist_error as exc:
             # the clone's state is unknown, so it is dropped: withdraw on a fresh one
-            outcome = self._withdraw(where, n, progress, exc)
+            outcome = self._withdraw(where, n, position, departing[0], exc)
         else:
             self._pool.give(store)
         # (any other exception drops the clone too: a request may be half done)
+        if outcome is _Outcome.RELEASED:
+            return
         if outcome is _Outcome.ABORTED:
-            raise _aborted_error(where)
-        if isinstance(outcome, list):  # this rank timed out and aborted: who was missing
-            missing = [participants[i] for i in outcome]
+            raise HandshakeAbortedError(f"{_aborted(tag, alloc_id, rank)} (TCP store at "
+                                        f"{self.address})")
+        missing = [participants[i] for i in outcome.positions]
+        if missing:
             error = _timeout("arrival", tag, alloc_id, rank, missing, timeout)
             raise HandshakeTimeoutError(f"{error} (TCP store at {self.address})", missing)
+        raise HandshakeTimeoutError(
+            f"handshake {tag!r} of allocation {alloc_id}: rank {rank} waited {timeout:g}s at "
+            f"arrival; the others came, but only after it gave up (TCP store at "
+            f"{self.address})", [])
 
     def _meet(self, store: Any, where: _Where, n: int, position: int, deadline: float,
-              progress: _Progress) -> _Outcome | list[int]:
-        """Arrive, wait, depart: the outcome, or (when this rank timed out and aborted
-        the handshake) the participant positions' ranks that had not arrived."""
-        full = (1 << n) - 1
-        seen = int(store.add(where.arrivals, 1 << position))
-        progress.arrived = seen
-        if seen & _ABORTED:  # aborted before this arrival: read the release, leave
-            return self._depart_decided(store, where, n, progress)
-        if seen & full == full:  # the last arrival: released
-            return self._release(store, where, n, progress, written=False)
+              departing: list[bool]) -> _Outcome | _Missing:
+        """Arrive, wait, depart."""
+        try:
+            # at least 1 ms: torch reads a zero timeout as "the store's default"
+            store.barrier(where.key, n, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except self._store_error:  # the deadline (a lost connection is another error)
+            return self._give_up(store, where, n, position, departing)
+        return self._depart(store, where, n, position, departing)
+
+    def _depart(self, store: Any, where: _Where, n: int, position: int,
+                departing: list[bool], verdict: _Outcome | None = None) -> _Outcome:
+        """Set this rank's departure bit and read the outcome; the last one out deletes
+        the key. ``verdict``: known already (this rank published it)."""
+        departing[0] = True  # whether the add lands or not: a second one would carry
+        value = int(store.add(where.key, 1 << (_DEPARTED_SHIFT + position)))
+        if verdict is None:
+            if value & _ABORTS:
+                verdict = self._read_verdict(store, where, n)
+            elif value & _ARRIVALS < n:
+                raise where.error(f"was woken with {value & _ARRIVALS} of {n} arrivals and "
+                                  f"no abort: something else wrote key {where.key!r}")
+            else:
+                verdict = _Outcome.RELEASED
+        if _departures(value, n) == (1 << n) - 1:  # everyone left: nobody reads it again
+            self._remove(store, where, where.key)
+        return verdict
+
+    def _read_verdict(self, store: Any, where: _Where, n: int) -> _Outcome:
+        """Wait for the first aborter's verdict, count this rank done with it (the N-th
+        deletes it)."""
+        try:
+            store.wait([where.verdict], timedelta(seconds=_GRACE_S))
+        except self._store_error as exc:
+            raise where.error(f"read an abort but no verdict within {_GRACE_S:g}s (the "
+                              f"rank that aborted died?)") from exc
+        value = int(store.add(where.verdict, 1))
+        if value & _DONE == n:
+            self._remove(store, where, where.verdict)
+        if value // _VERDICT not in (_RELEASED, _ABORTED):
+            raise where.error(f"read a verdict {value} that no participant writes")
+        return _Outcome.RELEASED if value // _VERDICT == _RELEASED else _Outcome.ABORTED
+
+    def _abort_once(self, store: Any, where: _Where, n: int,
+                    position: int | None) -> tuple[_Outcome | None, int]:
+        """Add an abort; return the verdict and the arrivals before it. The first
+        aborter publishes the verdict (a later one gets None: it reads the verdict when
+        it departs). ``position``: this aborter's, if it is a participant that has not
+        departed."""
+        value = int(store.add(where.key, _ABORT))
+        if value & _ABORTS != _ABORT:
+            return None, value & _ARRIVALS  # not the first: the first publishes
+        verdict = _Outcome.RELEASED if value & _ARRIVALS >= n else _Outcome.ABORTED
+        # done with it already: those that departed before the abort (they read no
+        # abort and never read the verdict), and this aborter if it is a participant
+        done = bin(_departures(value, n)).count("1") + (position is not None)
+        if done < n:
+            code = _RELEASED if verdict is _Outcome.RELEASED else _ABORTED
+            store.set(where.verdict, str(code * _VERDICT + done))  # one-way: wakes readers
+        return verdict, value & _ARRIVALS
+
+    def _give_up(self, store: Any, where: _Where, n: int, position: int,
+                 departing: list[bool]) -> _Outcome | _Missing:
+        """This rank's deadline passed: abort. If every participant had arrived, the
+        abort is void and this rank is released with them."""
+        verdict, arrived = self._abort_once(store, where, n, position)
+        if verdict is None:  # someone else aborted first: a reader like the others
+            return self._depart(store, where, n, position, departing)
+        if verdict is _Outcome.ABORTED:
+            # name the missing once the woken ones have left (before this rank does:
+            # the key outlives its poll)
+            positions = self._not_departed(store, where, n, position, arrived)
+            self._depart(store, where, n, position, departing, verdict)
+            return _Missing(positions)
+        return self._depart(store, where, n, position, departing, verdict)
+
+    def _not_departed(self, store: Any, where: _Where, n: int, position: int,
+                      arrived: int) -> list[int]:
+        """Positions whose departure bit is still missing once as many have left as had
+        arrived (the others are woken by the abort and leave at once), or after a grace
+        period: the ranks that had not arrived."""
+        deadline = time.monotonic() + _GRACE_S
+        pause = _POLL_S[0]
         while True:
-            # at least 1 ms: torch reads a zero timeout as "wait for ever"
-            left = timedelta(seconds=max(0.001, deadline - time.monotonic()))
-            try:
-                store.wait([where.release], left)
-            except self._store_error:  # a timeout (a lost connection is another error)
-                if time.monotonic() >= deadline - 0.001:  # torch rounds to milliseconds
-                    return self._give_up(store, where, n, progress)
-                continue
-            return self._depart(store, where, n, progress)
+            bits = _departures(int(store.get(where.key)), n) | 1 << position
+            if bin(bits).count("1") >= arrived or time.monotonic() > deadline:
+                return [i for i in range(n) if not bits >> i & 1]
+            time.sleep(pause)  # a poll on the failure path only, with a deadline
+            pause = min(pause * 2, _POLL_S[1])
 
-    def _release(self, store: Any, where: _Where, n: int, progress: _Progress, *,
-                 written: bool) -> _Outcome:
-        """The last arrival releases the others: GO, counting itself departed (one-way:
-        torch's set has no reply), and removes the arrivals key, which nobody adds to
-        again (a participant that timed out meanwhile finds it gone: released)."""
-        if not written:
-            store.set(where.release, str(_GO + 1))  # wakes every waiter
-        progress.departed = True
-        self._remove(store, where, [where.arrivals, *([where.release] if n == 1 else [])])
-        return _Outcome.RELEASED
-
-    def _give_up(self, store: Any, where: _Where, n: int,
-                 progress: _Progress) -> _Outcome | list[int]:
-        """This rank's deadline passed: abort unless every participant arrived."""
-        decision, value = self._abort_unless_complete(store, where, n, progress.arrived)
-        outcome = self._depart_decided(store, where, n, progress)
-        if decision is _Decision.ABORTED_NOW:
-            return [i for i in range(n) if not value >> i & 1]  # positions; mapped below
-        return outcome
-
-    def _depart_decided(self, store: Any, where: _Where, n: int,
-                        progress: _Progress) -> _Outcome:
-        """Depart a handshake known to be decided, once its release is written (its
-        author writes it right after deciding)."""
-        if not self._release_appears(store, where):
-            raise where.error(f"found the handshake decided but no release written within "
-                              f"{_GRACE_S:g}s (the rank that decided it died?)")
-        return self._depart(store, where, n, progress)
-
-    def _depart(self, store: Any, where: _Where, n: int, progress: _Progress) -> _Outcome:
-        """Read the release and count this rank out; the last one out removes the keys."""
-        got = int(store.add(where.release, 1))
-        progress.departed = True
-        outcome = {_GO: _Outcome.RELEASED, _ABORT: _Outcome.ABORTED}.get(got & ~_DEPARTED)
-        if outcome is None:
-            raise where.error(f"read a release value {got} that no participant writes")
-        if got & _DEPARTED == n:  # everyone read it: nobody reads either key again
-            # (a released handshake's arrivals key went with its last arrival)
-            self._remove(store, where, [where.release, *(
-                [where.arrivals] if outcome is _Outcome.ABORTED else [])])
-        return outcome
-
-    def _abort_unless_complete(self, store: Any, where: _Where, n: int,
-                               known: int | None) -> tuple[_Decision, int]:
-        """Set ABORTED on the arrivals key unless every participant arrived (the
-        invariant in the module docstring), and write the release if this call set it.
-
-        ``known`` is the key's value as last seen (a compare_set that expects it never
-        creates the key); None creates the key if it is missing, so later arrivals are
-        refused. Each mismatch reads the value now; values only grow, and by at most one
-        arrival per participant, so this ends within N + 2 tries."""
-        full = (1 << n) - 1
-        expected = "" if known is None else str(known)
-        for _ in range(n + 2):
-            desired = str(int(expected or "0") | _ABORTED)
-            got = store.compare_set(where.arrivals, expected, desired).decode()
-            if got == desired:
-                # create-only: a release already written stays as it is
-                store.compare_set(where.release, "", str(_ABORT))
-                return _Decision.ABORTED_NOW, int(expected or "0")
-            if got == expected:  # expected a value, the key is missing: deleted
-                return _Decision.GONE, full
-            value = int(got)
-            if value & _ABORTED:
-                return _Decision.ABORTED_BEFORE, value
-            if value & full == full:
-                return _Decision.COMPLETE, value
-            expected = got
-        raise where.error(f"could not abort: its arrivals key kept changing ({n + 2} tries)")
-
-    def _withdraw(self, where: _Where, n: int, progress: _Progress,
-                  exc: Exception) -> _Outcome:
+    def _withdraw(self, where: _Where, n: int, position: int, departing: bool,
+                  exc: Exception) -> _Outcome | _Missing:
         """The connection failed mid-handshake. On a fresh one, within a few seconds:
-        abort unless every participant arrived, then depart as everyone does. A
-        handshake that was released releases this rank too (consistency)."""
-        if progress.departed:
-            raise where.error(f"lost the TCP store after departing, while removing the "
-                              f"handshake's keys: {exc}") from exc
+        abort (void if every participant had arrived), then depart as everyone does."""
+        if departing:
+            raise where.error(f"lost the TCP store while departing (the handshake's keys "
+                              f"may stay until purged): {exc}") from exc
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-        full = (1 << n) - 1
-        arrived = progress.arrived
         try:
             fresh = TCPStore(self.host, self.port, None, False, timedelta(seconds=_GRACE_S),
                              use_libuv=True)
-            if arrived is not None and arrived & (full | _ABORTED) == full:
-                # this rank was the last arrival: finish releasing (its set may have
-                # landed, and then it counts this rank as departed already)
-                return self._release(fresh, where, n, progress, written=fresh.check(
-                    [where.release]))
-            if not fresh.check([where.release]):  # not decided yet, as far as seen
-                decision, _ = self._abort_unless_complete(fresh, where, n, arrived)
-                if (decision is _Decision.COMPLETE and arrived is None
-                        and not self._release_appears(fresh, where)):
-                    # its arrival was the last one, and the reply was lost
-                    return self._release(fresh, where, n, progress, written=False)
-            outcome = self._depart_decided(fresh, where, n, progress)
+            verdict, _ = self._abort_once(fresh, where, n, position)
+            outcome = self._depart(fresh, where, n, position, [False], verdict)
         except self._dist_error as again:
-            log.warning("rank %d could not withdraw from handshake %r of allocation %d: %s",
-                        where.rank, where.tag, where.alloc_id, again)
             raise where.error(
                 f"lost the TCP store mid-handshake ({exc}) and could not withdraw its "
                 f"arrival ({again}): the others may still complete without it. Check the "
                 f"store's host (rank 0) and the network") from exc
         if outcome is _Outcome.RELEASED:
-            return outcome
+            return outcome  # every participant was released: so is this one
         raise where.error(f"lost the TCP store mid-handshake ({exc}); its arrival is "
                           f"withdrawn and the others are told to give up") from exc
 
-    def _release_appears(self, store: Any, where: _Where) -> bool:
-        try:
-            store.wait([where.release], timedelta(seconds=_GRACE_S))
-        except self._store_error:
-            return False
-        return True
-
-    def _remove(self, store: Any, where: _Where, keys: list[str]) -> None:
-        """Delete keys nobody reads again (the failpoint is the leader's in the marker
+    def _remove(self, store: Any, where: _Where, key: str) -> None:
+        """Delete a key nobody reads again (the failpoint is the leader's in the marker
         backend: here, whoever the protocol makes the last reader)."""
-        for key in keys:
-            try:
-                _REMOVE.hit()
-            except OSError as err:
-                raise where.error(f"could not remove key {key!r} of the handshake: errno "
-                                  f"{err.errno} ({err.strerror})") from err
-            store.delete_key(key)
+        try:
+            _REMOVE.hit()
+        except OSError as err:
+            raise where.error(f"could not remove key {key!r} of the handshake: errno "
+                              f"{err.errno} ({err.strerror})") from err
+        store.delete_key(key)
 
     # -- the Backend protocol's other calls -------------------------------------------
     def abort(self, alloc_id: int, rank: int, tags: Sequence[str],
               participants: Sequence[int]) -> None:
-        """Abort each handshake that not every participant has reached: a waiter wakes
-        at once, a later arrival is refused; one already complete stays complete."""
+        """Abort each handshake: a waiter wakes at once, a later arrival is refused; one
+        that every participant had reached stays released (the abort is void)."""
         with self._lock:
             for tag in tags:
-                self._abort_unless_complete(self.store, self._where(tag, alloc_id, rank),
-                                            len(participants), None)
+                self._abort_once(self.store, self._where(tag, alloc_id, rank),
+                                 len(participants), None)
 
     def purge(self, alloc_id: int, tags: Sequence[str], participants: Sequence[int]) -> int:
         removed = 0
         for tag in tags:
             where = self._where(tag, alloc_id, -1)
             with self._lock:
-                removed += sum(int(self.store.delete_key(k))
-                               for k in (where.arrivals, where.release))
+                removed += sum(int(self.store.delete_key(k)) for k in (where.key, where.verdict))
         return removed
 
     def live_markers(self) -> int:
@@ -439,8 +417,3 @@ class StoreBackend:
     def close(self) -> None:
         self._pool.close()
         del self.store
-
-
-def _aborted_error(where: _Where) -> HandshakeAbortedError:
-    return HandshakeAbortedError(f"{_aborted(where.tag, where.alloc_id, where.rank)} "
-                                 f"(TCP store at {where.address})")
