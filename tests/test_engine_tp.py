@@ -269,3 +269,46 @@ def test_disk_tier_after_restart_equals_recomputed(
         cache.close()
     worker.run(lambda o: [f.result() for f in [o.submit(r, _rank_close_staging)
                                                for r in range(3)]])
+
+
+def _rank_open_runner(d: Any, path: Path) -> None:
+    from phalanx.engine.runner import open_runner
+    from phalanx.engine.tp import DomainComm
+
+    runner = open_runner("outlives", path, DomainComm(d), num_pages=4,
+                         page_tokens=PAGE_TOKENS)
+    engine_generate(runner, new_tokens=2)
+
+
+def _rank_use_runner() -> str:
+    from phalanx.engine._errors import EngineError
+    from phalanx.engine.runner import close_runner, get_runner
+
+    runner = get_runner("outlives")
+    try:
+        engine_generate(runner, new_tokens=2)
+    except EngineError as exc:
+        return str(exc)
+    finally:
+        close_runner("outlives")
+    return "no error"
+
+
+def test_a_runner_outliving_its_domain_does_not_block_its_release(
+        worker: phalanx.Worker, checkpoints: dict[str, Any]) -> None:
+    """The run ends with the runners still open (as when a step fails under it): the
+    domain is released all the same (no window stays mapped by the runner) and the
+    runner then refuses to run, naming the released domain."""
+    path = checkpoints["llama-tp2-kv-split"][0]
+
+    def open_and_leave(o: Any) -> None:
+        d = o.allocate_domain("tp", ranks=[0, 1], window_size=256 << 10)
+        for f in [o.submit(r, _rank_open_runner, d, path) for r in range(2)]:
+            f.result()
+
+    worker.run(open_and_leave)
+    assert worker.live_domains == []
+    errors = worker.run(lambda o: [f.result() for f in [o.submit(r, _rank_use_runner)
+                                                        for r in range(2)]])
+    assert all("TP domain 'tp' was released" in e for e in errors), errors
+    assert worker.run(lambda o: 1) == 1  # not poisoned

@@ -14,6 +14,7 @@ tier stores for this rank.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -156,7 +157,14 @@ class Runner:
         return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
+        with self._collectives():
+            return self.model.compute_logits(hidden)
+
+    def _collectives(self) -> contextlib.AbstractContextManager[None]:
+        """The communicator's per-step scope where it has one (DomainComm maps its
+        windows once per scope), else nothing."""
+        step = getattr(self.comm, "step", None)
+        return step() if step is not None else contextlib.nullcontext()
 
     def _step(self, plan: StepPlan, sample_only: bool
               ) -> tuple[torch.Tensor, list[int], list[SamplingSpec], list[int]]:
@@ -203,8 +211,9 @@ class Runner:
                               f"{self.cfg.max_model_len}")
         meta = build_meta(spans, self.page_tokens, self.device)
         dev = self.device
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(pos, dtype=torch.long, device=dev), meta, self.kv)
+        with self._collectives():
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                                torch.tensor(pos, dtype=torch.long, device=dev), meta, self.kv)
         if sample_only:
             hidden = (hidden[torch.tensor(rows, dtype=torch.long, device=dev)] if rows
                       else hidden[:0])

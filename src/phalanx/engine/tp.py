@@ -15,9 +15,11 @@ holds bit-identical results (the ranks' hidden states never drift apart).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -101,6 +103,22 @@ class DomainComm:
                               f"8 KiB for staging (it has {window} bytes)")
         self._round = 0
         self._closed = False
+        self._mapped: list[torch.Tensor] | None = None  # set only inside step()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Map the windows once for every collective inside (one engine step), instead of
+        once per collective; nothing stays mapped after the block, even when it raises."""
+        if self._mapped is not None:
+            yield
+            return
+        # no local of this frame may hold the view: an error raised through the block
+        # keeps this frame (and its locals) in its traceback
+        self._mapped = self._map_all()
+        try:
+            yield
+        finally:
+            self._mapped = None
 
     def close(self) -> None:
         """Refuse further collectives (idempotent)."""
@@ -119,12 +137,17 @@ class DomainComm:
         window (for this call only)."""
         if self._closed:
             raise EngineError(f"domain {self.name!r}: this TP communicator was closed")
-        view = self.view
         h = self._round % 2
         self._round += 1
         lo, hi = h * self.half, (h + 1) * self.half
-        return h, [torch.frombuffer(view.window if r == self.rank else view.peer_window(r),
-                                    dtype=torch.uint8)[lo:hi] for r in range(self.size)]
+        mapped = self._mapped if self._mapped is not None else self._map_all()
+        return h, [m[lo:hi] for m in mapped]
+
+    def _map_all(self) -> list[torch.Tensor]:
+        """Per member, a uint8 tensor over its whole window."""
+        view = self.view
+        return [torch.frombuffer(view.window if r == self.rank else view.peer_window(r),
+                                 dtype=torch.uint8) for r in range(self.size)]
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place (``t`` must be contiguous)."""
