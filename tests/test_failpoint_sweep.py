@@ -497,16 +497,6 @@ for _fn, _points in COVERS.values():
 # Points whose path falls short of the sweep's assertions today: point -> what goes
 # wrong, and who fixes it. A point that starts passing fails the sweep: delete it here.
 KNOWN: dict[str, str] = {
-    "cache.link.connect":
-        "replication engineer: a peer whose connect fails is not reported; rank 0 waits out "
-        "connect_timeout and raises LinkStalledError without the peer's error or the step",
-    "cache.link.send":
-        "replication engineer: the link's writer thread dies of the error (an unhandled "
-        "thread exception); the store waits out job_timeout and LinkStalledError blames the "
-        "peer ('hung or paused') for rank 0's own failure",
-    "cache.replica.apply":
-        "replication engineer: store() returns although a peer failed to apply it; the "
-        "PeerJobError (naming rank 1 and the step) surfaces only at close",
 }
 
 

@@ -20,9 +20,9 @@ from .rank_cache import OpenConfig, RankCache, rank_cache, service_name
 from .synth import SynthReport, synthesize
 
 __all__ = [
-    "close_rank", "leader_accept", "leader_load", "leader_lookup", "leader_maintain",
-    "leader_open", "leader_poll", "leader_store", "leader_synth", "rank_state",
-    "replica_open",
+    "close_rank", "leader_accept", "leader_cancel_accept", "leader_load", "leader_lookup",
+    "leader_maintain", "leader_open", "leader_poll", "leader_store", "leader_synth",
+    "rank_state", "replica_open",
 ]
 
 
@@ -38,6 +38,13 @@ def leader_accept(cache_id: str, peers: list[int], token: str,
                   timeout: float) -> dict[str, Any]:
     """Rank 0: accept and authenticate the peers, reconcile; the reconciliation report."""
     return rank_cache(cache_id).accept(peers, token, timeout)
+
+
+def leader_cancel_accept(cache_id: str) -> None:
+    """Rank 0: stop waiting for peers (one's open failed)."""
+    cache = rank_services().find(service_name(cache_id), RankCache)
+    if cache is not None:
+        cache.cancel_accept()
 
 
 def replica_open(cache_id: str, config: OpenConfig, host: str, port: int, token: str,

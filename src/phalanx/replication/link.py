@@ -75,21 +75,32 @@ def _read_until(reader: FrameReader, deadline: float, what: str) -> Frame:
             return frame
 
 
-def accept_peer(listener: socket.socket, token: str, expected: set[int],
-                deadline: float) -> tuple[int, str, socket.socket, FrameReader, RecordSet]:
+def accept_peer(listener: socket.socket, token: str, expected: set[int], deadline: float,
+                cancelled: threading.Event | None = None,
+                ) -> tuple[int, str, socket.socket, FrameReader, RecordSet]:
     """Accept and authenticate one peer; returns (rank, host, socket, reader, records).
 
     A connection that fails the proof is refused with a reason and raises
-    LinkAuthError: a job whose peers disagree on the token cannot start.
+    LinkAuthError: a job whose peers disagree on the token cannot start. ``cancelled``
+    set (a peer's own open failed: its error is the news) ends the wait at once with
+    LinkClosedError.
     """
-    listener.settimeout(max(0.01, deadline - time.monotonic()))
-    try:
-        sock, addr = listener.accept()
-    except TimeoutError as exc:
-        raise LinkStalledError(
-            f"rank 0: peers {sorted(expected)} did not connect before the deadline; "
-            "check that they started and can reach rank 0's bind address"
-        ) from exc
+    while True:
+        left = deadline - time.monotonic()
+        if cancelled is not None and cancelled.is_set():
+            raise LinkClosedError(
+                f"rank 0: stopped waiting for peers {sorted(expected)}: the open was "
+                "cancelled (a peer's own open failed)")
+        if left <= 0:
+            raise LinkStalledError(
+                f"rank 0: peers {sorted(expected)} did not connect before the deadline; "
+                "check that they started and can reach rank 0's bind address")
+        listener.settimeout(min(left, _WATCH_S))
+        try:
+            sock, addr = listener.accept()
+            break
+        except TimeoutError:
+            continue
     who = f"connection from {addr[0]}:{addr[1]}"
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -183,6 +194,7 @@ class PeerLink:
         self._last_ack = time.monotonic()
         self._error: ReplicationError | None = None
         self.error_raised = False  # a caller has seen _error (close reports it otherwise)
+        self._failed_op: int | None = None  # the first op a peer reported failed
         self._closing = False
         self.sent = 0
         self._threads = [
@@ -246,9 +258,17 @@ class PeerLink:
             return True
 
     def wait_acked(self, seq: int, timeout: float | None = None) -> bool:
-        """Until the peer acked ``seq``. No deadline is needed for safety: a peer that
-        stops progressing fails the link within job_timeout, which wakes this wait."""
-        return self.wait(lambda: self.acked >= seq, timeout)
+        """Until the peer acked ``seq``; raises the link's error if it failed meanwhile
+        (an ack that reported a failed op acks it, and fails the link: its caller must
+        learn it now, not at close). No deadline is needed for safety: a peer that stops
+        progressing fails the link within job_timeout, which wakes this wait."""
+        done = self.wait(lambda: self.acked >= seq, timeout)
+        with self._cond:
+            # only a failure of an op up to seq: a peer that closed after acking all of
+            # them (its orderly close after BYE) did nothing wrong
+            if self._failed_op is not None and self._failed_op <= seq:
+                self._raise_if_failed()
+        return done
 
     def reply(self, seq: int) -> Ack:
         self.wait_acked(seq)
@@ -340,6 +360,16 @@ class PeerLink:
                     f"replication link to {self.describe()}: send failed ({exc}); the peer "
                     "process died or closed its end; restart the job to reconcile"))
                 return
+            except Exception as exc:  # noqa: BLE001  this side failed: fail the link, saying so
+                # (a writer that died of it silently left callers waiting out job_timeout
+                # for a LinkStalledError that blamed the peer: test_failpoint_sweep.py)
+                error = LinkClosedError(
+                    f"rank 0: the writer of the replication link to {self.describe()} "
+                    f"failed on this side ({type(exc).__name__}: {exc}); the link is "
+                    "closed; restart the job to reconcile")
+                error.__cause__ = exc
+                self._fail(error)
+                return
 
     def _read_loop(self) -> None:
         self._sock.settimeout(_WATCH_S)
@@ -381,6 +411,8 @@ class PeerLink:
         if ack.seq in self._want:
             self._want.discard(ack.seq)
             self._replies[ack.seq] = ack
+        if ack.error and self._failed_op is None:
+            self._failed_op = ack.seq
         if ack.error and self._error is None:
             self._error = PeerJobError(
                 f"replication link to {self._describe_locked()}: the peer failed op "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ class RankCache:
         self._farewells: list[Exception] = []  # peers that did not ack BYE (see close)
         self._stores: StoreThread | None = None  # rank 0: store_many's decider
         self._leases: LeaseTable | None = None  # rank 0: lookup_many's pins
+        self._accept_cancelled = threading.Event()  # a peer's open failed: stop accepting
 
     # -- opening (one typed task per step: _rank_tasks.py) ------------------------------
     @classmethod
@@ -155,7 +157,7 @@ class RankCache:
         sets: dict[int, RecordSet] = {}
         while len(sets) < len(peers):
             rank, host, sock, reader, records = accept_peer(
-                listener, token, set(peers) - set(sets), deadline)
+                listener, token, set(peers) - set(sets), deadline, self._accept_cancelled)
             try:
                 link = PeerLink(rank, host, sock, reader, cfg.window, cfg.job_timeout)
             except BaseException:  # the socket is ours until the link owns it
@@ -180,6 +182,10 @@ class RankCache:
         return {"discarded": len(p.discard), "thinned": len(p.thin), "missing": p.missing,
                 "extra": p.extra, "records": len(store.record_states())}
 
+    def cancel_accept(self) -> None:
+        """Rank 0: stop waiting for peers (a peer's open failed; its error is the news)."""
+        self._accept_cancelled.set()
+
     def connect(self, host: str, port: int, token: str, timeout: float) -> int:
         """A peer: connect to rank 0 and authenticate, then mirror; returns the records
         this peer recovered."""
@@ -202,14 +208,12 @@ class RankCache:
     def lookup_many(self, prefixes: Sequence[Tokens | KeyChain]) -> Lease:
         """Rank 0: pages cached of each prefix, pinned until :meth:`release`; hand the
         lease to every rank's ``load_many`` (it is plain data)."""
-        self.leader  # noqa: B018  refuses on a peer, naming it
-        return self._need(self._leases).take(prefixes)
+        return self._rank0_leases().take(prefixes)
 
     def release(self, lease: Lease) -> None:
         """Rank 0: unpin what ``lease`` reported, once the step that used it finished on
         every rank (then rank 0 may decide to evict it again)."""
-        self.leader  # noqa: B018
-        self._need(self._leases).release(lease)
+        self._rank0_leases().release(lease)
 
     def load_many(self, requests: Sequence[LoadRequest], lease: Lease | None = None
                   ) -> list[memoryview]:
@@ -259,9 +263,7 @@ class RankCache:
     def leader(self) -> Leader:
         """Rank 0's decider (stores, lookups, maintenance, replication to the peers)."""
         if self._leader is None:
-            where = "is not rank 0" if self.rank else "has not finished opening"
-            raise ReplicationError(f"cache {self.cache_id}: rank {self.rank} {where}: only "
-                                   "rank 0 decides")
+            raise self._not_leader()
         return self._leader
 
     def state(self) -> dict[str, Any]:
@@ -309,6 +311,16 @@ class RankCache:
             leader.close(self._left())
         except CleanupError as exc:  # a peer that did not drain: reported by close()
             self._farewells += exc.exceptions
+
+    def _rank0_leases(self) -> LeaseTable:
+        if self._leases is None:
+            raise self._not_leader()
+        return self._leases
+
+    def _not_leader(self) -> ReplicationError:
+        where = "is not rank 0" if self.rank else "has not finished opening"
+        return ReplicationError(f"cache {self.cache_id}: rank {self.rank} {where}: only "
+                                "rank 0 decides")
 
     def _left(self) -> float:
         return max(0.1, self._deadline - time.monotonic())

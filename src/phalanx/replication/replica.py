@@ -47,6 +47,7 @@ __all__ = ["Replica"]
 log = logging.getLogger("phalanx.replication")
 
 _FP_APPLY = Failpoint("cache.replica.apply", "a peer is about to apply one of rank 0's ops")
+_BYE_GRACE_S = 5.0  # how long a closing peer waits for rank 0's BYE
 _CHAINS = 16  # recent prefixes kept: a store usually extends the previous one
 
 
@@ -76,8 +77,13 @@ class Replica:
         """Stop the loop (after BYE it has stopped already) and close the socket; the
         store is its owner's. Raises ReplicationError when the thread did not exit within
         ``timeout`` (the socket stays open, owed: a retry joins again)."""
+        end = time.monotonic() + timeout
+        # Rank 0 may be closing at this very moment (the Worker closes every rank's
+        # services at once): let its BYE arrive, so that every op it queued is applied
+        # and neither side reports the other's orderly close as a failure.
+        self._thread.join(min(timeout / 2, _BYE_GRACE_S))
         self._stop.set()
-        self._thread.join(timeout)
+        self._thread.join(max(0.0, end - time.monotonic()))
         if self._thread.is_alive():
             raise ReplicationError(
                 f"rank {self.rank}: the replica thread did not exit within {timeout:.1f}s "

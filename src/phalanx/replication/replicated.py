@@ -18,6 +18,7 @@ and is named in the error; the Worker's close then kills it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import os
@@ -30,10 +31,10 @@ from phalanx.kvstore.geometry import Geometry
 from phalanx.kvstore.keys import KeyChain, Tokens
 from phalanx.kvstore.store import StoreResult
 from phalanx.lifecycle import CleanupError
-from phalanx.runtime import Orchestrator, Worker, WorkerError
+from phalanx.runtime import Orchestrator, WaitTimeoutError, Worker, WorkerError
 
 from . import _rank_tasks as rt
-from ._errors import LinkStalledError, ReplicaDivergedError
+from ._errors import LinkAuthError, LinkStalledError, ReplicaDivergedError
 from .kv_source import KVSourceFactory, SyntheticSource
 from .leader import MaintainReport
 from .rank_cache import OpenConfig
@@ -45,6 +46,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _IDS = itertools.count(1)
+_POLL_S = 0.05  # how often an open looks for a peer that failed
 _SETTLE_MARGIN_S = 5.0  # a run whose tasks all have deadlines settles this soon after
 
 
@@ -264,16 +266,28 @@ def _open_all(o: Orchestrator, cid: str, cfg: OpenConfig, token: str,
         accept = oc.submit(0, rt.leader_accept, cid, peers, token, connect_timeout)
         opened = [oc.submit(r, rt.replica_open, cid, cfg, cfg.bind_host, port, token,
                             connect_timeout) for r in peers]
-        errors: list[BaseException] = []
-        for fut in [accept, *opened]:
+        # A peer whose own open fails (recovery, connect) is the news: rank 0 stops
+        # waiting for it at once rather than wait out connect_timeout.
+        peer_errors: dict[int, BaseException] = {}
+        pending = dict(zip(peers, opened, strict=True))
+        while pending and not accept.done():
+            for r, fut in list(pending.items()):
+                if fut.done():
+                    del pending[r]
+                    exc = fut.exception()
+                    if exc is not None and not peer_errors:
+                        o.control(0, rt.leader_cancel_accept, cid).result()
+                    if exc is not None:
+                        peer_errors[r] = exc
+            with contextlib.suppress(WaitTimeoutError):
+                accept.exception(_POLL_S)  # a short wait: then look at the peers again
+        lead_error = accept.exception()
+        for r, fut in pending.items():
             exc = fut.exception()
             if exc is not None:
-                errors.append(exc)
-        if errors:
-            # The leader's error names the cause best (refused peer, divergence); peers
-            # fail as a consequence (refused, connection closed).
-            lead = next((e for e in errors if isinstance(e, ReplicaDivergedError)), errors[0])
-            raise lead
+                peer_errors[r] = exc
+        if lead_error is not None or peer_errors:
+            raise _open_error(lead_error, peer_errors)
         report: dict[str, Any] = accept.result()
         return report
     except BaseException as exc:
@@ -284,6 +298,23 @@ def _open_all(o: Orchestrator, cid: str, cfg: OpenConfig, token: str,
         except CleanupError as cleanup:
             exc.add_note(f"and {cleanup}")
         raise
+
+
+def _open_error(lead: BaseException | None, peers: dict[int, BaseException]) -> BaseException:
+    """The error an open raises: rank 0's when it decided (a refused peer, diverged
+    records), else a peer's own (rank 0's timeout or cancelled wait is its consequence);
+    the rest as notes."""
+    if lead is not None and (isinstance(lead, LinkAuthError | ReplicaDivergedError)
+                             or not peers):
+        first, rest = lead, list(peers.items())
+    else:
+        r0 = min(peers)
+        first, rest = peers[r0], [(r, e) for r, e in peers.items() if r != r0]
+        if lead is not None:
+            rest.insert(0, (0, lead))
+    for r, exc in rest:
+        first.add_note(f"and rank {r}: {_summary(exc)}")
+    return first
 
 
 def _each_rank(o: Orchestrator, cid: str, timeout: float,
