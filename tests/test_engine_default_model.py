@@ -14,7 +14,12 @@ import torch
 from click.testing import CliRunner
 
 from engine_oracle import engine_generate
-from phalanx.engine.default_model import DEFAULT_SPEC, ModelSpec, default_model_dir
+from phalanx.engine.default_model import (
+    DEFAULT_SPEC,
+    ModelSpec,
+    default_model_dir,
+    ensure_default_model,
+)
 from phalanx.engine.runner import Runner
 from phalanx.engine.tokenizer import Tokenizer
 from phalanx.serve.cli import cli
@@ -66,6 +71,7 @@ def test_default_model_uses_the_xdg_cache(tmp_path: Path, model_dir: Path,
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = default_model_dir()
     assert path.parent == tmp_path / "phalanx" / "models"
+    assert ensure_default_model() == path
     assert _sha(path / "model.safetensors") == DIGESTS["model.safetensors"]
 
 

@@ -30,7 +30,8 @@ from ._errors import ModelConfigError
 from .bpe import tokenizer_json, train_merges
 from .config import ARCHITECTURES, DTYPES
 
-__all__ = ["DEFAULT_SPEC", "FORMAT", "ModelSpec", "default_model_dir", "write_model"]
+__all__ = ["DEFAULT_SPEC", "FORMAT", "ModelSpec", "default_model_dir", "ensure_default_model",
+           "write_model"]
 
 FORMAT = 1
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -107,6 +108,12 @@ def default_model_dir(cache_dir: str | Path | None = None,
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_model(target, spec)
     return target
+
+
+def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
+    """The embedded default model's directory, written on first use (what
+    ``phalanx.LLM(model=None)`` serves)."""
+    return default_model_dir(cache_dir)
 
 
 def write_model(target: str | Path, spec: ModelSpec = DEFAULT_SPEC) -> Path:
