@@ -130,6 +130,19 @@ class RankProcess:
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid}) {describe_exit(self.proc.poll())}"
 
+    def exiting(self) -> bool:
+        """Exited, or on its way out: what a peer's pid check (comm.rank_state.pid_alive)
+        already reads as dead. A SIGKILLed rank's main thread is a zombie ('Z') while its
+        other threads still exit, and only then can it be reaped (Popen.poll says None)."""
+        if self.proc.poll() is not None:
+            return True
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True  # our child's entry exists until we reap it
+        return state in (b"Z", b"X")
+
     def stop_signal(self) -> int | None:
         """The signal that stopped this process (SIGSTOP, SIGTSTP, ...), or None if it
         runs or is gone. Asks the kernel with WNOWAIT: the state is left for others."""

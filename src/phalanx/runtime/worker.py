@@ -252,6 +252,11 @@ class Worker:
     # -- hub callbacks (hub thread) ---------------------------------------------------
     def _on_frame(self, rank: int, kind: Kind, msg_id: int, payload: bytes) -> None:
         if kind in (Kind.RESULT_OK, Kind.RESULT_ERR):
+            if kind is Kind.RESULT_ERR:
+                # A peer's death often fails a task (a barrier notices it) before the
+                # dead rank's EOF is read: handle the death first, while this task is
+                # still outstanding, so the run fails with the death, not the symptom.
+                self._notice_exits()
             fut = self._outstanding.pop(msg_id)
             if fut is None:
                 log.error("rank %d: reply for unknown task id %d", rank, msg_id)
@@ -268,9 +273,6 @@ class Worker:
                         self._count("tasks_succeeded")
                     return
             else:
-                # A peer's death often fails a task (a barrier notices it) before the
-                # dead rank's EOF is read: blame the death, not the symptom.
-                self._notice_exits()
                 fut.set_exception(decode_error(rank, fut.name, fut.task_id, payload))
             if not fut.control:
                 self._count("tasks_failed")
@@ -287,7 +289,7 @@ class Worker:
 
     def _notice_exits(self) -> None:
         for p in self._procs.values():
-            if not self._outstanding.exited(p.rank) and p.proc.poll() is not None:
+            if not self._outstanding.exited(p.rank) and p.exiting():
                 self._rank_lost(p.rank)
 
     def _check_hung(self, *, expired_only: bool = False) -> None:
