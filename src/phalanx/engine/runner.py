@@ -138,7 +138,9 @@ class Runner:
         hidden, rows, specs, seqs = self._step(plan, sample_only=True)
         tokens: dict[int, int] = {}
         logprobs: dict[int, TokenLogprobs] = {}
-        if rows:
+        # Only rank 0 samples: with a replicated LM head the other ranks skip it (its
+        # matmul would take a core from rank 0); a vocab-parallel head is a collective.
+        if rows and (self.comm.rank == 0 or self.model.embed_tokens.parallel):
             logits = self._logits(hidden)
             if self.comm.rank == 0:
                 from .sampling import sample
