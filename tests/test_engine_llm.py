@@ -328,3 +328,19 @@ def _max_logprob_gap(a: list[Any], b: list[Any]) -> float:
                              x.outputs[0].token_ids, strict=True):
             gap = max(gap, abs(ex[t].logprob - ey[t].logprob))
     return gap
+
+
+def test_the_embedded_default_model_serves_text_and_chat(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with LLM(tensor_parallel_size=2) as llm:
+        assert llm.model_dir.parent == tmp_path / "phalanx" / "models"
+        (out,) = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8))
+        c = out.outputs[0]
+        assert len(c.token_ids) >= 1 and c.finish_reason in ("stop", "length")
+        tok = llm.get_tokenizer()
+        assert tok is not None and out.prompt_token_ids == tok.encode("The quick brown fox")
+        again = llm.chat([{"role": "user", "content": "hi"}],
+                         SamplingParams(temperature=0, max_tokens=4))
+        assert again.prompt is not None and "<|im_start|>assistant" in again.prompt
+        assert again.finished

@@ -14,75 +14,29 @@ that advanced it (the form a server streams from). One LLM runs one generate at 
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ._errors import EngineError, RequestError
+from ._errors import RequestError
+from .default_model import default_model_dir
 from .engine import Engine, EngineConfig, TokenizerLike
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import PrefixTier
+from .tokenizer import Tokenizer
 
 __all__ = ["LLM", "PromptType"]
 
 PromptType = str | Mapping[str, Any]
 
 
-class _FileTokenizer:
-    """``tokenizer.json`` through the ``tokenizers`` library (no chat template here)."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
-
-
-def _load_tokenizer(model_dir: Path) -> TokenizerLike | None:
+def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
     if not (model_dir / "tokenizer.json").exists():
         return None
-    return _FileTokenizer(model_dir)
-
-
-def _generation_eos(model_dir: Path) -> list[int]:
-    path = model_dir / "generation_config.json"
-    if not path.exists():
-        return []
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise EngineError(f"{path}: cannot read generation_config.json: {exc}") from exc
-    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
-    if isinstance(eos, int):
-        return [eos]
-    if isinstance(eos, list):
-        return [e for e in eos if isinstance(e, int)]
-    return []
-
-
-def _default_model_dir() -> Path:
-    import importlib
-
-    try:
-        default_model = importlib.import_module("phalanx.engine.default_model")
-    except ImportError as exc:
-        raise EngineError(
-            "LLM(model=None): the embedded default model is not available in this build; "
-            "pass a Hugging Face model directory"
-        ) from exc
-    ensure = getattr(default_model, "ensure_default_model", None)
-    if ensure is None:
-        raise EngineError("LLM(model=None): engine.default_model has no ensure_default_model()")
-    return Path(ensure())
+    return Tokenizer(model_dir)
 
 
 class LLM:
@@ -108,9 +62,10 @@ class LLM:
         prefix_tier: PrefixTier | None = None,
         prefix_cache_disk_bytes: int = 1 << 30,
     ) -> None:
-        model_dir = Path(model) if model is not None else _default_model_dir()
+        model_dir = Path(model) if model is not None else default_model_dir()
         self.model_dir = model_dir
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
+        loaded = _load_tokenizer(model_dir)
+        self.tokenizer: TokenizerLike | None = tokenizer if tokenizer is not None else loaded
         config = EngineConfig(
             model=str(model_dir), tensor_parallel_size=tensor_parallel_size,
             page_tokens=page_tokens, num_pages=num_pages, kv_cache_bytes=kv_cache_bytes,
@@ -125,7 +80,9 @@ class LLM:
 
         mcfg = load_config(model_dir, max_model_len=max_model_len, dtype=dtype)
         eos = list(mcfg.eos_token_ids)
-        eos += [e for e in _generation_eos(model_dir) if e not in eos]
+        if loaded is not None:   # generation_config.json, tokenizer_config.json's eos
+            eos += sorted(e for e in loaded.eos_token_ids if e not in eos)
+        self._chat = loaded
         self.engine = Engine(config, self.tokenizer, prefix_tier, eos_token_ids=eos)
         self._ids = itertools.count()
         self._busy = threading.Lock()
@@ -210,6 +167,18 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Drop the memory tier of the prefix cache (vLLM's name); the disk tier stays."""
         return self.engine.reset_prefix_cache()
+
+    def chat(
+        self, messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
+    ) -> RequestOutput:
+        """One chat turn: ``messages`` rendered with the model's chat template."""
+        if self._chat is None:
+            raise RequestError(f"{self.model_dir} has no tokenizer.json: no chat template")
+        text = self._chat.apply_chat_template([dict(m) for m in messages])
+        ids = self._chat.encode(text, add_special_tokens=False)
+        (out,) = self.generate({"prompt_token_ids": ids, "prompt": text}, sampling_params)
+        return out
 
     @property
     def counters(self) -> Any:
