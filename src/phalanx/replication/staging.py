@@ -6,7 +6,8 @@ identity (end page key, start page). Rank 0 decides every row of its own call an
 exactly one decision per row: a ``StoreOp`` with ``staged=True`` (the replica takes the
 copy and stores it) or an ``Unstage`` (refused or skipped: the copy is dropped). So a
 staged copy lives from the peer's call until rank 0's decision on it arrives; what is
-left at close (rank 0 died, the link failed) is dropped by the close journal.
+left at close (rank 0 died, the link failed) is dropped by the close journal, and at
+most ``MAX_STAGED_BYTES`` wait at once (beyond, a peer's store_many raises).
 
 Rank 0's decision may arrive before the peer's own call (the peer's step runs late):
 the replica waits for the copy, bounded by ``wait`` (less than the link's job timeout,
@@ -24,12 +25,15 @@ import numpy as np
 
 from phalanx.kvstore.buffers import as_byte_view
 
-from ._errors import PeerJobError
+from ._errors import PeerJobError, ReplicationError
 
-__all__ = ["RowId", "StagedRows", "row_start"]
+__all__ = ["MAX_STAGED_BYTES", "RowId", "StagedRows", "row_start"]
 
 RowId = tuple[bytes, int]  # (key of the row's end page, its start page)
-_STOP_CHECK_S = 0.2  # how late a waiting replica notices its stop request
+_STOP_CHECK_S = 0.2
+# Bounded: copies wait only for rank 0's decisions, which follow its own calls closely;
+# this much waiting means rank 0 stopped deciding
+MAX_STAGED_BYTES = 1 << 30  # how late a waiting replica notices its stop request
 
 
 def row_start(n_keys: int, row: Any, page_bytes: int) -> int:
@@ -54,7 +58,14 @@ class StagedRows:
 
     def put(self, row_id: RowId, row: Any) -> None:
         """Copy ``row`` (any buffer) and file the copy under ``row_id``."""
-        copy = np.array(as_byte_view(row), dtype=np.uint8, copy=True)
+        view = as_byte_view(row)
+        with self._cond:
+            if self.nbytes + view.nbytes > MAX_STAGED_BYTES:
+                raise ReplicationError(
+                    f"rank {self.rank}: {self.nbytes} bytes of rows already wait for rank "
+                    f"0's decision (at most {MAX_STAGED_BYTES}); rank 0 is not deciding "
+                    "(hung, or its link failed): this row is not staged")
+        copy = np.array(view, dtype=np.uint8, copy=True)
         with self._cond:
             self._rows.setdefault(row_id, collections.deque()).append(copy)
             self.nbytes += copy.nbytes
