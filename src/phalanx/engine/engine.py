@@ -336,6 +336,9 @@ class Engine:
         self._by_seq: dict[int, _Request] = {}
         self._dead: EngineDeadError | None = None
         self._lock = threading.Lock()
+        # add_request, abort and step may come from different threads (a server's
+        # handlers and its engine thread): one step at a time, requests between steps
+        self._step_lock = threading.RLock()
         self._closed = False
 
     def _open_disk(self, directory: str) -> None:
@@ -366,6 +369,11 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, prompt: str | None = None) -> None:
+        with self._step_lock:
+            self._add(request_id, prompt_token_ids, params, prompt)
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             prompt: str | None) -> None:
         self._check_alive()
         if request_id in self._requests:
             raise RequestError(f"request {request_id!r} is already running")
@@ -389,12 +397,14 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its pages are freed at the next step."""
-        req = self._requests.get(request_id)
-        return req is not None and self.scheduler.abort(req.seq.seq_id)
+        with self._step_lock:
+            req = self._requests.get(request_id)
+            return req is not None and self.scheduler.abort(req.seq.seq_id)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the memory tier (not the disk tier); False while requests hold pages."""
-        return self.scheduler.pool.reset()
+        with self._step_lock:
+            return self.scheduler.pool.reset()
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -442,6 +452,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that advanced or ended."""
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         self._check_alive()
         plan, aborted = self.scheduler.schedule()
         outs = [self._finish(self._by_seq[s.seq_id], FinishReason.ABORT) for s in aborted]
@@ -538,8 +552,9 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
-        for req in list(self._requests.values()):
-            self._finish(req, FinishReason.ABORT)
+        with self._step_lock:
+            for req in list(self._requests.values()):
+                self._finish(req, FinishReason.ABORT)
         try:
             if self.disk_tier is not None:
                 self.disk_tier.close(timeout=self.config.step_timeout)
