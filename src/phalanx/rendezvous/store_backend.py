@@ -64,6 +64,7 @@ from ._errors import (
     HandshakeAbortedError,
     HandshakeError,
     HandshakeTimeoutError,
+    RendezvousError,
     TokenMismatchError,
 )
 from .handshake import _REMOVE, _aborted, _check, _timeout, publish_point
@@ -181,6 +182,49 @@ class _Pool:
             self._store = None  # the last reference to the master stops its server
 
 
+def _check_barrier(store: Any, key: str, address: str) -> None:
+    """Check, once at start (rank 0, ~1 ms), what the protocol takes from torch's store
+    beyond ``Store.barrier``'s documented contract: the barrier counts in the key's own
+    integer (``add`` reads and writes it), returns at once past its world, and any
+    write to the key wakes its waiters (that is how an abort wakes them). A torch
+    release that changes this fails here, by name, instead of hanging handshakes."""
+    from torch.distributed import DistStoreError
+
+    waiter = store.clone()
+    woken: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            waiter.barrier(f"{key}/wake", 3, timedelta(seconds=_GRACE_S))
+            woken.append(None)
+        except DistStoreError as exc:
+            woken.append(exc)
+
+    thread = threading.Thread(target=wait, name="phalanx-store-check", daemon=True)
+    try:
+        store.add(f"{key}/count", 5)
+        waiter.barrier(f"{key}/count", 2, timedelta(seconds=_GRACE_S))  # past: at once
+        counted = int(store.add(f"{key}/count", 0))
+        thread.start()
+        deadline = time.monotonic() + _GRACE_S
+        # each add is a write: the first that sees the waiter's arrival wakes it
+        while int(store.add(f"{key}/wake", 0)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        thread.join(_GRACE_S + 1)
+    except DistStoreError as exc:
+        raise RendezvousError(f"the TCP store at {address}: torch's Store.barrier does not "
+                              f"return past its world ({exc}); the store backend needs it"
+                              ) from exc
+    finally:
+        for k in ("count", "wake"):
+            store.delete_key(f"{key}/{k}")
+    if counted != 6 or woken != [None]:
+        raise RendezvousError(
+            f"the TCP store at {address}: torch's Store.barrier does not count in its key "
+            f"(read {counted}, expected 6) or is not woken by a write to it "
+            f"({woken[0] if woken else 'still waiting'}); the store backend needs both")
+
+
 class StoreBackend:
     """Keys in a c10d TCPStore created by rank 0 (``is_master``) and joined by the others.
 
@@ -211,6 +255,7 @@ class StoreBackend:
         self.address = f"{host}:{self.port}"
         job_key = f"{self.prefix}/job"
         if is_master:
+            _check_barrier(self.store, f"{self.prefix}/probe", self.address)
             self.store.set(job_key, "1")
         elif not self.store.check([job_key]):
             raise TokenMismatchError(
