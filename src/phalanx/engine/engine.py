@@ -436,7 +436,30 @@ class Engine:
             "prefix_cache_hits_disk": disk,
             "prompt_tokens_computed": computed,
             "num_preemptions": c.preemptions,
+            **self._disk_stats(),
         }
+
+    def _disk_stats(self) -> dict[str, Any]:
+        tier = self.disk_tier
+        if tier is None:
+            return {}
+        s = tier.stats
+        return {"disk_tier_stores": s.stores, "disk_tier_store_failures": s.store_failures,
+                "disk_tier_pages_loaded": s.pages_loaded,
+                "disk_tier_maintenance_jobs": s.maintenance_jobs}
+
+    def disk_records(self, timeout: float = 10.0) -> dict[str, dict[int, int]]:
+        """Records and bytes of each rank's disk tier (asks every rank: not per request)."""
+        if self.disk_cache is None:
+            return {}
+        per_rank = self.disk_cache.stats(timeout=timeout)
+        records = {r: int(s.get("stats", {}).get("records", 0)) for r, s in per_rank.items()}
+        sizes = {r: int(s.get("stats", {}).get("bytes", 0)) for r, s in per_rank.items()}
+        queued = max((int(s.get("stats", {}).get("maintenance_queued", 0))
+                      - int(s.get("stats", {}).get("maintenance_done", 0))
+                      for s in per_rank.values()), default=0)
+        return {"cache_disk_records": records, "cache_disk_bytes": sizes,
+                "cache_maintenance_queue": {0: max(0, queued)}}
 
     @property
     def counters(self) -> Any:

@@ -242,9 +242,12 @@ class _Rank:
 def main() -> int:
     rank = int(os.environ["PHALANX_RANK"])
     parent_pid = int(os.environ["PHALANX_PARENT_PID"])
-    # The terminal's Ctrl-C reaches the whole process group: the parent handles it and
-    # closes the worker in order, so a rank must not die of it on its own.
+    # The terminal's Ctrl-C reaches the whole process group, and so does the SIGTERM of
+    # `timeout`, systemd (KillMode=control-group) or a container runtime: the parent
+    # handles it and closes the worker in order (in-flight work finishes, then SHUTDOWN,
+    # then SIGKILL at the close deadline), so a rank must not die of it on its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent(parent_pid, os.environ.get("PHALANX_PDEATHSIG", "1") == "1")
     _setup_logging(rank)
     _set_scheduler(os.environ.get("PHALANX_RANK_SCHED", "batch"))

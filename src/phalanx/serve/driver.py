@@ -37,6 +37,8 @@ __all__ = ["EngineDriver"]
 
 log = logging.getLogger("phalanx.serve")
 
+_DISK_STATS_S = 2.0
+
 
 @dataclass
 class _Stream:
@@ -44,6 +46,8 @@ class _Stream:
     queue: asyncio.Queue[Delta | BaseException]
     submitted: float
     sent_logprobs: int = 0
+    admitted: float | None = None   # when the engine thread handed it to the engine
+    first_sent: bool = False
 
 
 class EngineDriver:
@@ -67,6 +71,8 @@ class EngineDriver:
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
+        self._disk: dict[str, Any] = {}
+        self._disk_at = -_DISK_STATS_S
         self._thread = threading.Thread(target=self._loop, name="phalanx-engine", daemon=True)
         self._thread.start()
 
@@ -94,10 +100,20 @@ class EngineDriver:
         return Health(True)
 
     def stats(self) -> dict[str, Any]:
+        """The engine's gauges, and its disk tier's per-rank records (asked of the ranks
+        at most every ``_DISK_STATS_S``: a scrape must not cost a run per rank)."""
         try:
-            return dict(self.engine.stats())
+            out = dict(self.engine.stats())
+            now = time.monotonic()
+            if now - self._disk_at > _DISK_STATS_S:
+                self._disk = self.engine.disk_records()
+                self._disk_at = now
+            out.update(self._disk)
         except Exception as exc:  # noqa: BLE001  a scrape must not fail while the engine dies
             return {"error": str(exc)}
+        flat = out.pop("cache_maintenance_queue", {})
+        out["cache_maintenance_queue"] = sum(flat.values()) if isinstance(flat, dict) else flat
+        return out
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[Delta]:
@@ -152,6 +168,11 @@ class EngineDriver:
                     self.engine.add_request(rid, ids, params)
                 except Exception as exc:  # noqa: BLE001  this request's error, not the engine's
                     self._deliver(rid, exc, final=True)
+                    continue
+                with self._lock:
+                    stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.admitted = time.monotonic()
             elif kind == "abort":
                 self.engine.abort(payload)
                 with self._lock:
@@ -200,12 +221,17 @@ class EngineDriver:
         reason = comp.finish_reason
         if reason == "abort":
             reason = "stop"
+        queue_time = None
+        if stream is not None and not stream.first_sent:
+            stream.first_sent = True
+            if stream.admitted is not None:
+                queue_time = stream.admitted - stream.submitted
         delta = Delta(token_ids=list(comp.delta_token_ids), text=comp.delta_text,
                       logprobs=logprobs, finish_reason=reason,
                       prompt_tokens=len(out.prompt_token_ids),
                       cached_memory=out.cached_tokens_memory,
                       cached_disk=out.cached_tokens_disk,
-                      output_tokens=len(comp.token_ids))
+                      output_tokens=len(comp.token_ids), queue_time=queue_time)
         self._deliver(out.request_id, delta, final=out.finished)
 
     def _die(self, exc: BaseException) -> None:

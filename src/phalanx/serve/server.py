@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,43 +102,86 @@ def run_server(cfg: ServerConfig, *, ready: Callable[[str], None] | None = None)
     import uvicorn
 
     model_dir = _model_dir(cfg)
-    name = cfg.served_model_name or model_dir.name
-    exit_code = 0
-    server: uvicorn.Server | None = None
+    name = cfg.served_model_name or _served_name(model_dir)
+    state = _RunState()
+    with _signals_stop(state):  # from the start: a signal during start-up stops it too
+        supervisor = Supervisor(_starter(cfg, model_dir, name), restart=cfg.restart,
+                                max_restarts=cfg.max_restarts, on_fatal=state.fatal)
+        try:
+            if state.stop_requested:
+                return 0
+            sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((cfg.host, cfg.port))
+            host, port = sock.getsockname()[:2]
+            metrics = Metrics(name)
+            settings = ServeSettings(served_model_name=name, api_key=cfg.api_key,
+                                     max_body_bytes=cfg.max_body_bytes)
+            line = _ready_line(f"http://{host}:{port}", name, cfg, supervisor)
 
-    def fatal(reason: str) -> None:
-        nonlocal exit_code
-        exit_code = 1
-        if server is not None:
-            server.should_exit = True
+            @asynccontextmanager
+            async def lifespan(app: Any) -> AsyncIterator[None]:
+                (ready or _print)(line)
+                yield
 
-    supervisor = Supervisor(_starter(cfg, model_dir, name), restart=cfg.restart,
-                            max_restarts=cfg.max_restarts, on_fatal=fatal)
+            app = build_app(supervisor, settings, metrics, lifespan=lifespan)
+            state.server = uvicorn.Server(uvicorn.Config(
+                app, log_level="warning", access_log=False, lifespan="on",
+                timeout_graceful_shutdown=int(cfg.shutdown_timeout)))
+            if not state.stop_requested:
+                state.server.run(sockets=[sock])
+            sock.close()
+        finally:
+            supervisor.close(cfg.shutdown_timeout)
+    return state.exit_code
+
+
+class _RunState:
+    """What the signal handler and the supervisor tell the serving thread."""
+
+    def __init__(self) -> None:
+        self.server: Any = None
+        self.stop_requested = False
+        self.exit_code = 0
+
+    def stop(self) -> None:
+        self.stop_requested = True
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def fatal(self, reason: str) -> None:
+        self.exit_code = 1
+        self.stop()
+
+
+@contextmanager
+def _signals_stop(state: _RunState) -> Iterator[None]:
+    """SIGINT / SIGTERM ask the server to stop, before and after uvicorn's own handlers.
+
+    uvicorn handles both while it serves, then restores the handlers it found and raises
+    the signal it caught again; with the default handler that would kill the process
+    before the engine and its ranks are closed. Ours only asks the server to stop, so
+    the close always runs and the process exits 0.
+    """
+    def stop(signum: int, frame: Any) -> None:
+        state.stop()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((cfg.host, cfg.port))
-        host, port = sock.getsockname()[:2]
-        metrics = Metrics(name)
-        settings = ServeSettings(served_model_name=name, api_key=cfg.api_key,
-                                 max_body_bytes=cfg.max_body_bytes)
-        url = f"http://{host}:{port}"
-        line = _ready_line(url, name, cfg, supervisor)
-
-        @asynccontextmanager
-        async def lifespan(app: Any) -> AsyncIterator[None]:
-            (ready or _print)(line)
-            yield
-
-        app = build_app(supervisor, settings, metrics, lifespan=lifespan)
-        server = uvicorn.Server(uvicorn.Config(
-            app, log_level="warning", timeout_graceful_shutdown=int(cfg.shutdown_timeout),
-            access_log=False, lifespan="on"))
-        server.run(sockets=[sock])
-        sock.close()
+        yield
     finally:
-        supervisor.close(cfg.shutdown_timeout)
-    return exit_code
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _served_name(model_dir: Path) -> str:
+    """The model's name clients send: a checkpoint's directory name; the embedded model's
+    name without its digest suffix."""
+    name = model_dir.name
+    head, _, tail = name.rpartition("-")
+    if head and len(tail) == 16 and all(c in "0123456789abcdef" for c in tail):
+        return head
+    return name
 
 
 def _print(line: str) -> None:

@@ -151,7 +151,7 @@ class _Api:
                            code="engine_unavailable", retry_after=5)
         streams = [self.engine.generate(f"{rid}-{i}", p, sp)
                    for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-        choices = Choices(streams)
+        choices = Choices(streams, self.metrics)
         try:
             await choices.start()
         except EngineError as exc:
@@ -174,7 +174,10 @@ class _Api:
                         headers={} if h.ok else {"Retry-After": "5"})
 
     async def metrics_route(self, request: Request) -> Response:
-        body, content_type = self.metrics.render(self.engine.stats())
+        import asyncio
+
+        stats = await asyncio.to_thread(self.engine.stats)  # may ask the ranks: off the loop
+        body, content_type = self.metrics.render(stats)
         return Response(body, media_type=content_type)
 
     async def tokenize(self, request: Request) -> Response:

@@ -32,6 +32,7 @@ class Delta:
     cached_memory: int = 0
     cached_disk: int = 0
     output_tokens: int = 0
+    queue_time: float | None = None  # on the first delta: submission to engine admission
 
 
 @dataclass(frozen=True)

@@ -12,22 +12,59 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from .engine_client import Delta
+from .metrics import Metrics
 
 __all__ = ["Choices"]
 
 _DONE = object()
 
 
+class _Timing:
+    """One choice's clock: first token, gaps between tokens, its end."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.first: float | None = None
+        self.last: float | None = None
+        self.gaps: list[float] = []
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+
+    def saw(self, d: Delta, now: float) -> None:
+        if d.token_ids:
+            if self.first is None:
+                self.first = now
+            elif self.last is not None:
+                self.gaps.append(now - self.last)
+            self.last = now
+        self.prompt_tokens = d.prompt_tokens or self.prompt_tokens
+        self.output_tokens = d.output_tokens or self.output_tokens
+
+
 class Choices:
     """The engine streams of one HTTP request, one per choice, started eagerly."""
 
-    def __init__(self, streams: Sequence[AsyncIterator[Delta]]) -> None:
+    def __init__(self, streams: Sequence[AsyncIterator[Delta]], metrics: Metrics) -> None:
         self._streams = list(streams)
         self._first: list[Delta | None] = [None] * len(streams)
         self._closed = False
+        self._metrics = metrics
+        started = time.monotonic()
+        self._timing = [_Timing(started) for _ in streams]
+
+    def _saw(self, i: int, d: Delta) -> None:
+        now = time.monotonic()
+        timing = self._timing[i]
+        timing.saw(d, now)
+        if d.finish_reason is not None:
+            ttft = None if timing.first is None else timing.first - timing.started
+            self._metrics.finished(d.finish_reason, timing.prompt_tokens,
+                                   timing.output_tokens, ttft, timing.gaps,
+                                   now - timing.started, d.queue_time)
 
     async def start(self) -> None:
         """Pull each choice's first delta; raises what the engine raised (before any byte
@@ -38,6 +75,9 @@ class Choices:
             await self.aclose()
             raise
         self._first = list(firsts)
+        for i, d in enumerate(self._first):
+            if d is not None:
+                self._saw(i, d)
 
     async def merged(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) in arrival order, first deltas first."""
@@ -65,6 +105,7 @@ class Choices:
                     raise item
                 else:
                     assert isinstance(item, Delta)
+                    self._saw(i, item)
                     yield i, item
         finally:
             for t in tasks:
