@@ -25,6 +25,7 @@ this class; its machinery (leases, store tickets, rank 0's store thread) is in
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import threading
 import time
@@ -282,7 +283,7 @@ class RankCache:
                      "links": {r: ln.describe() for r, ln in leader.links.items()}}
         extra["staged_rows"] = len(self.staged)
         extra["leases"] = len(self._leases) if self._leases is not None else 0
-        return {"rank": self.rank, "problems": store.check(),
+        return {"rank": self.rank, "pid": os.getpid(), "problems": store.check(),
                 "digest": records_digest(store.record_states()).hex(),
                 "stats": msgspec.structs.asdict(store.statistics()), **extra}
 
