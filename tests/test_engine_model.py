@@ -222,3 +222,17 @@ def test_runner_refuses_bad_plans_by_name(checkpoints: dict[str, Path]) -> None:
     runner.close()
     with pytest.raises(EngineError, match="closed"):
         runner.execute(StepPlan(1, [SeqChunk(7, [1], 0, [0], True, g)]))
+
+
+def test_a_config_that_does_not_fit_the_tensors_is_refused(checkpoints: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    """A smaller intermediate_size would read fitting slices of larger tensors: a silently
+    wrong model. The whole tensor's shape is checked against the config."""
+    import shutil
+
+    src = checkpoints["llama-untied-gqa"]
+    shutil.copytree(src, tmp_path / "m")
+    raw = _raw(src) | {"intermediate_size": 64}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"gate_proj\.weight has shape \[128, 64\]"):
+        Runner(tmp_path / "m", num_pages=2, page_tokens=PAGE_TOKENS, threads=1)

@@ -36,6 +36,7 @@ class Part:
     name: str
     start: int
     stop: int
+    total: int   # the checkpoint tensor's full size along the sharded dim (checked)
 
     @property
     def size(self) -> int:
@@ -69,7 +70,11 @@ class ParallelLinear(torch.nn.Module):
     def load(self, ckpt: Checkpoint) -> None:
         """Read this rank's slice of every part from the checkpoint."""
         offset = 0
+        in_features = self.weight.shape[1 - self.shard_dim]
         for part in self.parts:
+            _check_shape(ckpt, f"{part.name}.weight",
+                         [part.total, in_features] if self.shard_dim == 0
+                         else [in_features, part.total])
             w = ckpt.read(f"{part.name}.weight", self.shard_dim, part.start, part.stop)
             dst = self.weight.data.narrow(self.shard_dim, offset, part.size)
             _copy(dst, w, f"{part.name}.weight")
@@ -90,6 +95,14 @@ class ParallelLinear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def _check_shape(ckpt: Checkpoint, name: str, expected: list[int]) -> None:
+    """A slice of the right size from a tensor of the wrong size would load silently: the
+    whole tensor's shape must be what the config implies."""
+    if name in ckpt and ckpt.shape(name) != expected:
+        raise CheckpointError(f"{ckpt.dir}: tensor {name} has shape {ckpt.shape(name)}; "
+                              f"config.json implies {expected}")
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor | None, name: str) -> None:
@@ -197,6 +210,7 @@ class VocabEmbedding(torch.nn.Module):
         self.name = name
         self.comm = comm
         self.parallel = parallel and comm.size > 1
+        self.vocab = vocab
         per = vocab // comm.size if self.parallel else vocab
         self.start = comm.rank * per if self.parallel else 0
         self.stop = self.start + per
@@ -206,6 +220,7 @@ class VocabEmbedding(torch.nn.Module):
 
     def load(self, ckpt: Checkpoint) -> None:
         name = f"{self.name}.weight"
+        _check_shape(ckpt, name, [self.vocab, self.weight.shape[1]])
         _copy(self.weight.data, ckpt.read(name, 0, self.start, self.stop), name)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -234,6 +249,7 @@ class LMHead(torch.nn.Module):
             return
         name = f"{self.name}.weight"
         e = self.embedding
+        _check_shape(ckpt, name, [e.vocab, self.weight.shape[1]])
         _copy(self.weight.data, ckpt.read(name, 0, e.start, e.stop), name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

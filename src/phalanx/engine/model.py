@@ -75,13 +75,15 @@ class Attention(torch.nn.Module):
         self.heads, self.kv_heads, self.d = sh.heads, sh.kv_heads, d
         q0 = sh.rank * sh.heads * d
         k0 = sh.kv_start * d
+        nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
         self.qkv_proj = ParallelLinear(cfg.hidden_size, [
-            Part(f"{prefix}.q_proj", q0, q0 + sh.heads * d),
-            Part(f"{prefix}.k_proj", k0, k0 + sh.kv_heads * d),
-            Part(f"{prefix}.v_proj", k0, k0 + sh.kv_heads * d),
+            Part(f"{prefix}.q_proj", q0, q0 + sh.heads * d, nq),
+            Part(f"{prefix}.k_proj", k0, k0 + sh.kv_heads * d, nkv),
+            Part(f"{prefix}.v_proj", k0, k0 + sh.kv_heads * d, nkv),
         ], 0, cfg.qkv_bias, dtype)
         self.o_proj = ParallelLinear(cfg.hidden_size, [
-            Part(f"{prefix}.o_proj", q0, q0 + sh.heads * d)], 1, cfg.o_bias, dtype, comm)
+            Part(f"{prefix}.o_proj", q0, q0 + sh.heads * d, nq)], 1, cfg.o_bias, dtype,
+            comm)
         self.rotary = rotary
         self.scale = d ** -0.5
 
@@ -104,11 +106,12 @@ class MLP(torch.nn.Module):
         super().__init__()
         c0 = sh.rank * sh.inter
         self.inter = sh.inter
+        full = cfg.intermediate_size
         self.gate_up_proj = ParallelLinear(cfg.hidden_size, [
-            Part(f"{prefix}.gate_proj", c0, c0 + sh.inter),
-            Part(f"{prefix}.up_proj", c0, c0 + sh.inter)], 0, False, dtype)
+            Part(f"{prefix}.gate_proj", c0, c0 + sh.inter, full),
+            Part(f"{prefix}.up_proj", c0, c0 + sh.inter, full)], 0, False, dtype)
         self.down_proj = ParallelLinear(cfg.hidden_size, [
-            Part(f"{prefix}.down_proj", c0, c0 + sh.inter)], 1, False, dtype, comm)
+            Part(f"{prefix}.down_proj", c0, c0 + sh.inter, full)], 1, False, dtype, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
