@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..kvstore import fingerprint_digest
-from ._errors import EngineDeadError, EngineError, RequestError
+from ._errors import EngineDeadError, EngineError, RequestError, SchedulerError
 from .disk_tier import DiskTier
 from .outputs import CompletionOutput, IncrementalDetokenizer, Logprob, RequestOutput
 from .plan import decode_result, encode_plan
@@ -69,12 +69,18 @@ class EngineConfig:
     prefix_cache_disk_bytes: int = 1 << 30  # its capacity per rank
 
 
+_NOT_IN_KV = ("max_model_len", "eos_token_ids")
+
+
 def model_fingerprint(model_dir: str | Path, config: dict[str, Any], tp: int,
                       page_tokens: int) -> bytes:
     """The root of the page-key chain: config, dtype, the weight files' headers and sizes,
-    TP size and page size. Stable across processes and restarts; never reads the weights."""
+    TP size and page size. Stable across processes and restarts; never reads the weights.
+    What cannot change a KV byte (the serving context length, EOS ids) is left out, so a
+    server restarted with another ``--max-model-len`` keeps its cache."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    kv_config = {k: v for k, v in config.items() if k not in _NOT_IN_KV}
+    h.update(json.dumps(kv_config, sort_keys=True, default=str).encode())
     h.update(f"|tp={tp}|page={page_tokens}|".encode())
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         size = f.stat().st_size
@@ -345,12 +351,18 @@ class Engine:
         """Recover and reconcile the replicated disk tier (before the engine is ready)."""
         from ..kvstore import Geometry
         from ..replication import ReplicatedCache
+        from .identity import local_kv_heads
         from .staging import staging_source
 
         m = self.model_config
         geometry = Geometry(layers=m.num_layers, kv_heads=self.group.memory[0]["kv_heads_local"],
                             head_dim=m.head_dim, dtype=m.dtype,
                             page_tokens=self.config.page_tokens)
+        # the operator commands derive the same identity offline (engine/identity.py)
+        if local_kv_heads(m.num_kv_heads, self.config.tensor_parallel_size) != \
+                geometry.kv_heads:
+            raise EngineError("engine.identity.local_kv_heads disagrees with the runner's "
+                              "shard: offline cache commands would write another geometry")
         self.disk_cache = ReplicatedCache.open(
             self.group.worker, directory, geometry=geometry, fingerprint=self.fingerprint,
             capacity_bytes=self.config.prefix_cache_disk_bytes,
@@ -483,6 +495,15 @@ class Engine:
         plan, aborted = self.scheduler.schedule()
         outs = [self._finish(self._by_seq[s.seq_id], FinishReason.ABORT) for s in aborted]
         if plan is None:
+            if self.scheduler.has_work and not outs:
+                # every request is admitted only if it fits an empty pool: a step with
+                # work and nothing to run is a scheduler bug, not a wait
+                w = self.scheduler.waiting[0] if self.scheduler.waiting else None
+                raise SchedulerError(
+                    f"engine: {len(self.scheduler.waiting)} waiting and "
+                    f"{len(self.scheduler.running)} running requests but nothing to "
+                    f"schedule (head of the queue: {w!r}; free pages "
+                    f"{self.scheduler.pool.num_free})")
             return outs
         try:
             raw = self.group.execute(encode_plan(plan))

@@ -76,26 +76,54 @@ def _geometry(page_tokens: int) -> Any:
     return Geometry(layers=1, kv_heads=1, head_dim=4, dtype="float16", page_tokens=page_tokens)
 
 
+def _identity(model: str | None, tp: int, page_tokens: int | None,
+              fingerprint: str | None) -> tuple[Any, str | bytes, int]:
+    """(geometry, fingerprint, page tokens): a served model's (``--model DIR``, as
+    ``phalanx serve DIR --tp N`` opens it), or the small synthetic shard's."""
+    if model is None:
+        pt = page_tokens or 4
+        return _geometry(pt), fingerprint or "phalanx-synth", pt
+    if fingerprint is not None:
+        raise click.UsageError("--fingerprint is derived from --model; give one of them")
+    from phalanx.engine.identity import cache_identity
+
+    pt = page_tokens or 64
+    geometry, fp = cache_identity(model, tp, pt)
+    return geometry, fp, pt
+
+
+def _model_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--model", "model", default=None, type=click.Path(exists=True,
+                     file_okay=False), help="Write/open records for this model as "
+                     "'phalanx serve MODEL --tp N' serves it (its geometry and fingerprint)."
+                     )(f)
+    f = click.option("--page-tokens", type=click.IntRange(1), default=None,
+                     help="Tokens per page [default: 64 with --model, else 4].")(f)
+    return click.option("--fingerprint", default=None,
+                        help="Model fingerprint without --model [default: phalanx-synth].")(f)
+
+
 @cache.command("synth")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--tp", type=click.IntRange(1), required=True, help="Ranks (DIR/rank-<i>/).")
 @click.option("--records", type=click.IntRange(1), required=True)
 @click.option("--shape", type=click.Choice(["chain", "tree"]), default="chain")
-@click.option("--page-tokens", type=click.IntRange(1), default=4, show_default=True)
+@_model_options
 @click.option("--uncompacted", is_flag=True,
               help="Write overlapping rows as older versions did (7 of 8 rows redundant).")
-@click.option("--fingerprint", default="phalanx-synth", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth_cmd(directory: str, tp: int, records: int, shape: str, page_tokens: int,
-              uncompacted: bool, fingerprint: str, seed: int) -> None:
+def synth_cmd(directory: str, tp: int, records: int, shape: str, model: str | None,
+              page_tokens: int | None, fingerprint: str | None, uncompacted: bool,
+              seed: int) -> None:
     """Write the per-rank directories a TP-N job would have left, through the real
     replicated store path with the synthetic KV source."""
     from phalanx.replication import ReplicatedCache
     from phalanx.runtime import Worker
 
+    geometry, fp, _ = _identity(model, tp, page_tokens, fingerprint)
     with _exit_on_error("synth"), Worker(ranks=tp) as w:
-        rc = ReplicatedCache.open(w, directory, geometry=_geometry(page_tokens),
-                                  fingerprint=fingerprint, capacity_bytes=1 << 60)
+        rc = ReplicatedCache.open(w, directory, geometry=geometry,
+                                  fingerprint=fp, capacity_bytes=1 << 60)
         rep = _closing(rc, lambda: rc.synth(records, shape, seed=seed,
                                             group=8 if uncompacted else 1))
     click.echo(f"{rep.records} records ({rep.redundant_rows} redundant rows) on {tp} ranks "
@@ -142,8 +170,7 @@ def _exit_on_error(what: str) -> Iterator[None]:
 @click.option("--tp", type=click.IntRange(1), required=True)
 @click.option("--max-age", type=float, default=None, help="Expire leaf records older (s).")
 @click.option("--capacity", type=click.IntRange(1), default=1 << 60, help="Bytes per rank.")
-@click.option("--page-tokens", type=click.IntRange(1), default=4, show_default=True)
-@click.option("--fingerprint", default="phalanx-synth", show_default=True)
+@_model_options
 @click.option("--window", type=click.IntRange(2), default=64, show_default=True)
 @click.option("--job-timeout", type=click.FloatRange(min=0.001), default=30.0,
               show_default=True, help="Seconds a peer may make no progress before it fails.")
@@ -151,8 +178,9 @@ def _exit_on_error(what: str) -> Iterator[None]:
               show_default=True, help="Seconds closing the cache and the ranks may take.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def maintain_cmd(directory: str, tp: int, max_age: float | None, capacity: int,
-                 page_tokens: int, fingerprint: str, window: int, job_timeout: float,
-                 close_timeout: float, as_json: bool) -> None:
+                 model: str | None, page_tokens: int | None, fingerprint: str | None,
+                 window: int, job_timeout: float, close_timeout: float,
+                 as_json: bool) -> None:
     """Open the replicated cache as a server would at start-up, reconcile, run
     maintenance to completion through the links, print the counts and exit (1 with the
     error when a peer stalls or dies: within job timeout + close timeouts)."""
@@ -161,12 +189,12 @@ def maintain_cmd(directory: str, tp: int, max_age: float | None, capacity: int,
     from phalanx.replication import ReplicatedCache
     from phalanx.runtime import Worker
 
+    geometry, fp, _ = _identity(model, tp, page_tokens, fingerprint)
     t0 = time.monotonic()
     with _exit_on_error("maintain"), Worker(ranks=tp, close_timeout=close_timeout) as w:
-        rc = ReplicatedCache.open(w, directory, geometry=_geometry(page_tokens),
-                                  fingerprint=fingerprint, capacity_bytes=capacity,
-                                  max_age=max_age, window=window, job_timeout=job_timeout,
-                                  close_timeout=close_timeout)
+        rc = ReplicatedCache.open(w, directory, geometry=geometry, fingerprint=fp,
+                                  capacity_bytes=capacity, max_age=max_age, window=window,
+                                  job_timeout=job_timeout, close_timeout=close_timeout)
 
         def body() -> dict[str, Any]:
             before = {r: s["stats"]["records"] for r, s in rc.stats().items()}
