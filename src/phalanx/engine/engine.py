@@ -67,6 +67,7 @@ class EngineConfig:
     seed: int = 0                          # unseeded requests draw from this on rank 0
     prefix_cache_disk: str | None = None   # the replicated disk tier's directory
     prefix_cache_disk_bytes: int = 1 << 30  # its capacity per rank
+    prefix_cache_max_age: float | None = None  # seconds a leaf record may stay unused
 
 
 _NOT_IN_KV = ("max_model_len", "eos_token_ids")
@@ -366,13 +367,16 @@ class Engine:
         self.disk_cache = ReplicatedCache.open(
             self.group.worker, directory, geometry=geometry, fingerprint=self.fingerprint,
             capacity_bytes=self.config.prefix_cache_disk_bytes,
+            max_age=self.config.prefix_cache_max_age,
             kv_source_factory=staging_source)
         self.disk_tier = DiskTier(self.disk_cache, self.config.page_tokens, self.fingerprint)
         self.scheduler.tier = self.disk_tier
 
     def _default_pages(self, layers: int, kv_heads: int, heads: int, head_dim: int,
                        dtype: str, tp: int) -> int:
-        local = kv_heads // tp if kv_heads % tp == 0 else -(-heads // tp)
+        from .identity import local_kv_heads
+
+        local = local_kv_heads(kv_heads, tp)
         page = layers * 2 * self.config.page_tokens * local * head_dim * _DTYPE_BYTES.get(
             dtype, 4)
         return max(4, self.config.kv_cache_bytes // page)
