@@ -148,6 +148,11 @@ def test_text_prompt_stop_string_and_streaming(llm: LLM) -> None:
     deltas = [o.outputs[0].delta_text for o in llm.generate_stream("Once upon a time",
                                                                     greedy(24))]
     assert "".join(deltas) == text
+    # streamed with a stop string: text that may begin the stop string is held back, so
+    # the deltas add up to the cut text, never to a piece of the stop string
+    held = [o.outputs[0].delta_text for o in llm.generate_stream(
+        "Once upon a time", greedy(24, stop=[stop]))]
+    assert "".join(held) == c.text and stop not in "".join(held)
 
 
 def test_stop_token_ids_eos_and_max_tokens(llm: LLM) -> None:
