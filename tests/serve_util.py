@@ -125,6 +125,15 @@ class Server:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def metric_by_label(self, name: str) -> dict[str, float]:
+        """label values -> sample of a labelled metric (``rank="0"`` -> 12.0)."""
+        out: dict[str, float] = {}
+        for line in self.client.get("/metrics").text.splitlines():
+            if line.startswith(name + "{"):
+                labels, value = line[len(name):].rsplit(" ", 1)
+                out[labels] = float(value)
+        return out
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 120.0) -> int:
         """Signal the server and wait for it (and its ranks) to exit; its exit status."""
         self._close_clients()

@@ -35,7 +35,7 @@ __all__ = ["DiskTier", "DiskTierStats"]
 log = logging.getLogger("phalanx.engine")
 
 _IDLE_POLL_S = 0.5          # how long the store thread waits before a maintenance burst
-_MAINTENANCE_JOBS = 8       # jobs per burst: maintenance stays behind requests
+_MAINTENANCE_JOBS = 64      # jobs per burst: a store waits behind one burst at most
 
 
 @dataclass
@@ -105,13 +105,14 @@ class DiskTier:
     # -- the background thread --------------------------------------------------------
 
     def _run(self) -> None:
+        behind = False  # the last burst did work: more may be due, so do not idle
         while True:
             try:
-                item = self._q.get(timeout=_IDLE_POLL_S)
+                item = self._q.get_nowait() if behind else self._q.get(timeout=_IDLE_POLL_S)
             except queue.Empty:
                 if self._stopping:
                     return
-                self._maintain()
+                behind = self._maintain() > 0
                 continue
             if item is None:
                 return
@@ -126,13 +127,19 @@ class DiskTier:
                     self._pending -= 1
                     self._cv.notify_all()
 
-    def _maintain(self) -> None:
+    def _maintain(self) -> int:
+        """One bounded burst of maintenance; the jobs it did. Stores queued meanwhile go
+        first (the loop checks the queue between bursts), so maintenance stays behind
+        requests however much is due (a recovered directory may owe thousands)."""
         if not self._maintenance:
-            return
+            return 0
         try:
-            self.stats.maintenance_jobs += self.cache.poll(_MAINTENANCE_JOBS)
+            done = self.cache.poll(_MAINTENANCE_JOBS)
         except PhalanxError as exc:
             self._failed("maintenance", exc)
+            return 0
+        self.stats.maintenance_jobs += done
+        return done
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.stats.last_error = f"{what}: {exc!r}"

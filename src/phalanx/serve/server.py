@@ -91,6 +91,7 @@ def _starter(cfg: ServerConfig, model_dir: Path, name: str
             max_model_len=cfg.max_model_len, dtype=cfg.dtype, kv_cache_bytes=cfg.kv_cache_bytes,
             prefix_cache_disk=_disk_dir(cfg),
             prefix_cache_disk_bytes=cfg.prefix_cache_disk_bytes,
+            prefix_cache_max_age=cfg.prefix_cache_max_age,
         ), tokenizer, eos_token_ids=None)
         return EngineDriver(engine, tokenizer, name,
                             max_pending=cfg.max_num_seqs + cfg.max_waiting, on_death=on_death)
