@@ -1,0 +1,199 @@
+"""The TP ranks of one engine: a Worker whose one long-lived run holds the TP domain and
+every rank's runner, and serves one step plan at a time.
+
+The rank-side functions are module-level so tasks ship them by reference.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+from typing import Any
+
+from ._errors import EngineError
+
+__all__ = ["RankGroup"]
+
+log = logging.getLogger("phalanx.engine")
+
+_TP_WINDOW = 4 << 20          # per-rank staging window of the TP domain
+
+
+# -- the rank side (module-level: tasks are shipped by reference) -------------------------
+
+def _rank_open(runner_id: str, model_dir: str, view: Any, kwargs: dict[str, Any],
+               seed: int, staging: bool) -> dict[str, Any]:
+    import torch
+
+    from .runner import open_runner
+    from .staging import rank_staging
+    from .tp import DomainComm, SoloComm
+
+    torch.manual_seed(seed)
+    comm = DomainComm(view) if view is not None else SoloComm()
+    runner = open_runner(runner_id, model_dir, comm, **kwargs)
+    if staging:
+        # the disk tier's pages pass through this rank's staging (see engine.staging)
+        runner.tier = rank_staging(runner.geometry())
+    return runner.memory()
+
+
+# A rank's runner is used by one step at a time; closing it waits for the step in
+# progress (after a peer died, rank 0's step ends at its next barrier) so the runner's
+# views of the TP domain's windows are gone before the domain is released.
+_EXEC_LOCK = threading.Lock()
+_CLOSE_WAIT_S = 60.0
+
+
+def _rank_execute(runner_id: str, plan: bytes) -> bytes | None:
+    from .plan import decode_plan, encode_result
+    from .runner import get_runner
+
+    failed: str | None = None
+    with _EXEC_LOCK:
+        runner = get_runner(runner_id)
+        rank = runner.comm.rank
+        try:
+            result = runner.execute(decode_plan(plan))
+        except Exception as exc:  # noqa: BLE001  re-raised below, without its frames
+            # the traceback's frames hold tensors over the domain's windows: keep only
+            # the message, so nothing maps the windows once the step is over
+            failed = f"{type(exc).__name__}: {exc}"
+    if failed is not None:
+        raise EngineError(f"rank {rank}: step failed: {failed}")
+    return encode_result(result) if rank == 0 else None
+
+
+def _rank_close(runner_id: str) -> None:
+    import gc
+
+    from .runner import close_runner
+
+    if not _EXEC_LOCK.acquire(timeout=_CLOSE_WAIT_S):
+        raise EngineError(f"runner {runner_id}: a step still runs after {_CLOSE_WAIT_S:g}s; "
+                          "cannot close it")
+    try:
+        close_runner(runner_id)
+    finally:
+        _EXEC_LOCK.release()
+    gc.collect()   # frames of a failed step may sit in reference cycles
+
+
+# -- the parent side ------------------------------------------------------------------
+
+_ids = itertools.count(1)
+
+
+class RankGroup:
+    """The TP ranks: one long-lived run holds the domain and the runners, serving steps.
+
+    :meth:`execute` hands one encoded plan to the run's thread, which submits it to every
+    rank and returns rank 0's encoded result. A failure (a dead rank, a failed task) is
+    raised to the caller and ends the run: the group is then dead.
+    """
+
+    def __init__(self, model_dir: str, tp: int, runner_kwargs: dict[str, Any], *,
+                 step_timeout: float, start_timeout: float, seed: int,
+                 staging: bool = False) -> None:
+        from phalanx.comm import Worker
+
+        self.tp = tp
+        self.runner_id = f"engine_{next(_ids)}"
+        self._step_timeout = step_timeout
+        self._jobs: queue.Queue[tuple[bytes, concurrent.futures.Future[bytes]] | None] = (
+            queue.Queue())
+        self._opened: concurrent.futures.Future[list[dict[str, Any]]] = (
+            concurrent.futures.Future())
+        self.dead: BaseException | None = None
+        self.worker = Worker(ranks=tp, task_timeout=step_timeout, start_timeout=start_timeout)
+        try:
+            self._handle = self.worker.submit(self._serve, model_dir, runner_kwargs, seed,
+                                              staging)
+            self.memory = self._opened.result(timeout=start_timeout)
+        except BaseException:
+            self._jobs.put(None)
+            self.worker.close()
+            raise
+
+    def _serve(self, o: Any, model_dir: str, kwargs: dict[str, Any], seed: int,
+               staging: bool) -> None:
+        domain = None
+        opened = False
+        try:
+            if self.tp > 1:
+                domain = o.allocate_domain(f"{self.runner_id}_tp", ranks=list(o.ranks),
+                                           window_size=_TP_WINDOW)
+            futs = [o.submit(r, _rank_open, self.runner_id, model_dir, domain, kwargs, seed,
+                             staging) for r in o.ranks]
+            mem = [f.result() for f in futs]
+            opened = True
+            self._opened.set_result(mem)
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    break
+                plan, fut = job
+                try:
+                    outs = [o.submit(r, _rank_execute, self.runner_id, plan) for r in o.ranks]
+                    first = outs[0].result()
+                    for f in outs[1:]:
+                        f.result()
+                except BaseException as exc:
+                    self.dead = exc
+                    fut.set_exception(exc)
+                    raise
+                fut.set_result(first)
+        except BaseException as exc:
+            self.dead = self.dead or exc
+            if not self._opened.done():
+                self._opened.set_exception(exc)
+            self._fail_queued(exc)
+            raise
+        finally:
+            if opened:
+                self._close_runners(o)
+            if domain is not None:
+                o.release_domain(domain)
+
+    def _close_runners(self, o: Any) -> None:
+        # The runners map the domain's windows: they must be gone before the domain's
+        # release (at this run's fence), on every rank still alive after a failure too.
+        # After a rank died this run takes no new task: close through call_ranks then.
+        if self.dead is None:
+            for f in [o.submit(r, _rank_close, self.runner_id) for r in o.ranks]:
+                f.result()
+            return
+        alive = self.worker.alive_ranks()
+        outcomes = self.worker.call_ranks(alive, _rank_close, self.runner_id,
+                                          timeout=_CLOSE_WAIT_S + 10)
+        for rank, out in outcomes.items():
+            if out.error is not None:
+                log.warning("engine: closing the runner on rank %d after a failure: %r",
+                            rank, out.error)
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job[1].set_exception(exc)
+
+    def execute(self, plan: bytes) -> bytes:
+        if self.dead is not None:
+            raise self.dead
+        fut: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        self._jobs.put((plan, fut))
+        # the tasks carry the step deadline; this one only backs it up
+        return fut.result(timeout=self._step_timeout * 2 + 30)
+
+    def close(self, timeout: float = 60.0) -> None:
+        self._jobs.put(None)
+        try:
+            self._handle.wait(timeout)
+        finally:
+            self.worker.close()
