@@ -131,11 +131,13 @@ def _rank_gloo(store_path: str, rank: int, size: int, path: Path) -> dict[str, A
     store = dist.FileStore(store_path, size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     try:
-        runner = Runner(path, TorchDistComm(dist.group.WORLD), num_pages=8,
-                        page_tokens=PAGE_TOKENS)
-        logits, tokens = engine_generate(runner)
-        runner.close()
-        return {"logits": logits, "tokens": tokens}
+        out = {}
+        for vocab_parallel in (False, True):   # the second all-gathers the logits
+            runner = Runner(path, TorchDistComm(dist.group.WORLD), num_pages=8,
+                            page_tokens=PAGE_TOKENS, vocab_parallel=vocab_parallel)
+            out[vocab_parallel] = engine_generate(runner)
+            runner.close()
+        return out
     finally:
         dist.destroy_process_group()
 
@@ -150,8 +152,9 @@ def test_oracle_tp2_over_gloo(worker: phalanx.Worker, checkpoints: dict[str, Any
         return [f.result() for f in futures]
 
     for res in worker.run(orch):
-        assert (res["logits"] - ref_logits).abs().max().item() <= ATOL
-        assert res["tokens"] == ref_tokens
+        for logits, tokens in res.values():
+            assert (logits - ref_logits).abs().max().item() <= ATOL
+            assert tokens == ref_tokens
 
 
 def _rank_collectives(d: Any) -> dict[str, Any]:
