@@ -116,6 +116,7 @@ def _local_maintain(directory: str) -> Timed:
     with DiskStore(directory, SMALL, FINGERPRINT, StoreOptions(
             capacity_bytes=1 << 40, max_age=1e-3, progress=False)) as store:
         jobs = 0
+        os.sync()  # untimed: no earlier phase's write-back (the copies) in this one
         c0, t0 = time.process_time(), time.perf_counter()
         while n := store.poll(1 << 10):
             jobs += n
@@ -128,6 +129,7 @@ def _local_stores(directory: str, tokens: list[np.ndarray]) -> Timed:
     with DiskStore(directory, BIG, FINGERPRINT,
                    StoreOptions(capacity_bytes=1 << 40, progress=False)) as store:
         chains = [store.chain(t) for t in tokens]
+        os.sync()  # untimed: no earlier phase's write-back (the copies) in this one
         c0, t0 = time.process_time(), time.perf_counter()
         for chain in chains:
             res = store.store(chain, source.row(chain.keys, 0))
@@ -245,6 +247,7 @@ def _small(w: Worker, tmp: str, records: int, window: int, ranks: int) -> dict[s
     local = [_local_maintain(copies[0])]
     rc = _open(w, d, SMALL, window, 1e-3)
     try:
+        os.sync()  # untimed, as before every local baseline
         cpu = _cpu_now(w)
         jobs, secs = _maintained(rc)
         run = Timed(jobs, secs, _cpu_since(w, cpu))
@@ -266,6 +269,7 @@ def _stores(w: Worker, tmp: str, stores: int, window: int,
     rc = _open(w, f"{tmp}/big", BIG, window, None)
     try:
         lat = _timed_stores(rc, tokens[stores:])
+        os.sync()  # untimed, as before every local baseline
         cpu = _cpu_now(w)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency, thread_name_prefix="bench-store") as pool:
@@ -313,9 +317,11 @@ def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: i
 
     try:
         # idle: half the requests before the burst, half after it (drift shows in both)
+        os.sync()  # untimed: the copies' write-back must not land on the idle requests
         idle = _paced_stores(rc, request_tokens, interval, threading.Event(), requests // 2)
         rss_before = _on_every_rank(w, reset_peak_rss)
         done = threading.Event()
+        os.sync()  # untimed, as before every local baseline
         cpu = _cpu_now(w)
         with ThreadPoolExecutor(1, thread_name_prefix="bench-requests") as pool:
             fut = pool.submit(_paced_stores, rc, request_tokens, interval, done)
@@ -357,9 +363,9 @@ def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: i
 @click.option("--concurrency", type=click.IntRange(1), default=4, show_default=True,
               help="store requests in flight in the store lane")
 @click.option("--burst", type=int, default=100_000, show_default=True)
-@click.option("--requests", type=int, default=500, show_default=True,
+@click.option("--requests", type=int, default=300, show_default=True,
               help="idle store requests timed (half before the burst, half after)")
-@click.option("--request-interval-ms", "interval_ms", type=click.FloatRange(0), default=5.0,
+@click.option("--request-interval-ms", "interval_ms", type=click.FloatRange(0), default=20.0,
               show_default=True, help="time between store requests, idle and in the burst")
 @click.option("--window", type=int, default=64, show_default=True)
 @click.option("--rank-scheduler", type=click.Choice(["batch", "other"]), default="batch",
