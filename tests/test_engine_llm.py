@@ -224,10 +224,17 @@ def test_bad_requests_are_refused(llm: LLM) -> None:
 
 def test_kv_exhaustion_preempts_and_stays_exact(model_dir: Path, hf_model: Any) -> None:
     prompts = [[(7 * i + j) % 250 + 3 for j in range(20 + 9 * i)] for i in range(4)]
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
     with LLM(model_dir, tensor_parallel_size=1, page_tokens=PT, num_pages=10,
              max_num_batched_tokens=64) as small:
-        outs = small.generate([{"prompt_token_ids": p} for p in prompts], greedy(24))
+        (alone,) = small.generate({"prompt_token_ids": prompts[3]}, seeded)
+        assert small.counters.preemptions == 0 and small.reset_prefix_cache()
+        outs = small.generate([{"prompt_token_ids": p} for p in prompts],
+                              [greedy(24)] * 3 + [seeded])
         assert small.counters.preemptions > 0
+        # the newest request was preempted and recomputed: its seeded draws are the same
+        assert outs[3].outputs[0].token_ids == alone.outputs[0].token_ids
+        outs = outs[:3] + small.generate({"prompt_token_ids": prompts[3]}, greedy(24))
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(hf_model, p, 24)
 
