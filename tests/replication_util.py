@@ -17,6 +17,16 @@ FP = "replication-test-model"
 RANKS = 3  # rank 0 + 2 peers, as in the incident
 
 
+def _pid() -> int:
+    return os.getpid()
+
+
+def rank_pid(worker: Worker, rank: int) -> int:
+    """The pid of rank ``rank``'s process (to stop or kill it in a fault test)."""
+    pid: int = worker.run(lambda o: o.submit(rank, _pid).result())
+    return pid
+
+
 def open_cache(worker: Worker, directory: Path, **kw: Any) -> ReplicatedCache:
     kw.setdefault("capacity_bytes", 1 << 30)
     return ReplicatedCache.open(worker, directory, geometry=GEOM, fingerprint=FP, **kw)

@@ -27,17 +27,9 @@ from replication_util import (
     copy_dirs,
     dir_bytes,
     open_cache,
+    rank_pid,
     synth,
 )
-
-
-def _pid() -> int:
-    return os.getpid()
-
-
-def _peer_pid(w: Worker, rank: int) -> int:
-    pid: int = w.run(lambda o: o.submit(rank, _pid).result())
-    return pid
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +84,7 @@ def test_paused_peer(template: Path, tmp_path: Path, paused_for: float | None) -
     d = copy_dirs(template, tmp_path / "cache")
     with Worker(ranks=RANKS) as w:
         cache = open_cache(w, d, job_timeout=timeout)
-        pid = _peer_pid(w, 2)
+        pid = rank_pid(w, 2)
         try:
             os.kill(pid, signal.SIGSTOP)
             stopped = time.monotonic()
@@ -124,7 +116,7 @@ def test_killed_peer_then_restart_reconciles(template: Path, tmp_path: Path) -> 
     d = copy_dirs(template, tmp_path / "cache")
     with Worker(ranks=RANKS) as w:
         cache = open_cache(w, d, window=8)
-        pid = _peer_pid(w, 1)
+        pid = rank_pid(w, 1)
         t, errors, _ = _maintain_in_thread(cache)
         time.sleep(0.3)
         os.kill(pid, signal.SIGKILL)

@@ -23,16 +23,12 @@ import pytest
 from phalanx.lifecycle import CleanupError
 from phalanx.replication import LinkClosedError, LinkStalledError, ReplicatedCache
 from phalanx.runtime import RankDiedError, Worker
-from replication_util import RANKS, copy_dirs, open_cache, synth
+from replication_util import RANKS, copy_dirs, open_cache, rank_pid, synth
 
 JOB_TIMEOUT = 2.0
 CLOSE_TIMEOUT = 3.0
 WORKER_CLOSE = 5.0
 MARGIN = 15.0  # a loaded 2-core machine: start-up of the error path, kill and reap
-
-
-def _pid() -> int:
-    return os.getpid()
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +60,7 @@ def test_a_peer_fault_during_a_burst_fails_fast(template: Path, tmp_path: Path, 
                            window=8)
         before = cache.stats()[peer]["applied"]
         w.arm_failpoint("cache.replica.apply", "delay:0.002", ranks=peer)
-        pid = w.run(lambda o: o.submit(peer, _pid).result())
+        pid = rank_pid(w, peer)
         errors: list[BaseException] = []
         maintaining = threading.Thread(target=_catch, args=(cache.maintain, errors))
         maintaining.start()
