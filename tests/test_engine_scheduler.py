@@ -9,6 +9,8 @@ therefore changes the output, which is compared with the single-request referenc
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 import pytest
 
 from phalanx.engine._errors import RequestError, SchedulerError
@@ -405,3 +407,36 @@ def test_two_requests_loading_one_prefix_in_a_step_share_it() -> None:
     drain(sched, ranks)
     assert a.output_tokens == reference(a.prompt_tokens, 2)
     assert b.output_tokens == reference(b.prompt_tokens, 2)
+
+
+class CountingTier(InMemoryTier):
+    """An in-memory tier that records every lookup's start page."""
+
+    def __init__(self, keys: Seq[bytes]) -> None:
+        super().__init__(keys)
+        self.lookups: list[int] = []
+
+    def lookup(self, keys: Seq[bytes], start: int) -> int:
+        self.lookups.append(start)
+        return super().lookup(keys, start)
+
+
+def test_a_blocked_queue_head_does_not_ask_the_disk_tier() -> None:
+    prompt = list(range(50, 63))
+    keys = page_keys(prompt, 4, FP)
+    tier = CountingTier(keys)
+    sched = Scheduler(SchedulerConfig(num_pages=6, page_tokens=4), FP, tier)
+    ranks = FakeRanks(sched, {k: prompt[i * 4 : (i + 1) * 4] for i, k in enumerate(keys)})
+    hog = Sequence(list(range(200, 216)), greedy(8), seq_id=1)   # 4 pages, up to 6
+    sched.add(hog)
+    step(sched, ranks)
+    tier.lookups.clear()                                          # the hog's own lookup
+    late = Sequence(prompt, greedy(2), seq_id=2)                  # needs 4 pages
+    sched.add(late)
+    for _ in range(3):
+        step(sched, ranks)
+        assert late.status is SeqStatus.WAITING
+    assert tier.lookups == []
+    drain(sched, ranks)
+    assert tier.lookups == [0] and late.cached_disk == 12
+    assert late.output_tokens == reference(prompt, 2)

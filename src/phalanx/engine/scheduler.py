@@ -288,6 +288,12 @@ class Scheduler:
         keys = self._keys(seq, limit)[:limit] if caching else []
         hits = self.pool.match(keys)
         m = len(hits)
+        # pages loaded from disk only add to what the step needs: if the request does not
+        # fit without them, it waits without asking the disk tier (a blocked head of the
+        # queue must not cost a disk lookup per step)
+        if not self.pool.can_allocate(
+                _pages_for(min(total, m * pt + budget), pt) - m, hits):
+            return False
         d = 0
         if caching and self.tier is not None and m < limit:
             d = self.tier.lookup(keys, m)
