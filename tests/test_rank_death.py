@@ -268,3 +268,72 @@ def test_a_run_cannot_start_tasks_once_a_rank_died(tmp_path: Path) -> None:
     finally:
         w.close()
     assert wait_settled(before) == {}
+
+
+def _block_unless_rank0(marker_dir: str) -> int:
+    _enter(marker_dir)
+    if phalanx.current_rank() != 0:
+        threading.Event().wait()
+    return 0
+
+
+def test_a_stopped_rank_fails_its_call_ranks_call_once_a_deadline_passes(
+        tmp_path: Path) -> None:
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=3)
+    try:
+        pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
+        out: dict[int, Any] = {}
+        caller = threading.Thread(target=lambda: out.update(w.call_ranks(
+            [0, 1, 2], _block_unless_rank0, str(tmp_path), timeout=HUNG_DEADLINE_S)))
+        caller.start()
+        _wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 3, 60, "every rank busy")
+        os.kill(pids[2], signal.SIGSTOP)
+        caller.join(FAIL_BOUND_S + HUNG_DEADLINE_S)
+        assert not caller.is_alive()
+        assert out[0].unwrap() == 0  # it had finished: its outcome stands
+        for r in (1, 2):  # rank 1 runs on, but its call depends on the stopped rank 2
+            err = out[r].error
+            assert isinstance(err, RankHungError) and err.rank == 2, out
+            assert f"rank 2 (pid {pids[2]}) is stopped by SIGSTOP" in str(err)
+        assert w.alive_ranks() == [0, 1]
+    finally:
+        t0 = time.monotonic()
+        w.close()
+    assert time.monotonic() - t0 < CLOSE_TIMEOUT_S
+    assert wait_settled(before) == {}
+
+
+def test_close_kills_an_idle_stopped_rank_at_once() -> None:
+    """Nothing waits on a stopped rank without a deadline; close() does not even try."""
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=2)  # close_timeout: 30 s
+    pid = w.run(lambda o: o.submit(1, os.getpid).result())
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    w.close()
+    assert time.monotonic() - t0 < 15  # not the 30 s close deadline
+    assert w.stats().ranks_alive == 0
+    assert wait_settled(before) == {}
+
+
+def _stop_myself() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _open_self_stopping_service() -> None:
+    rank_services().register("test.stops", object(), _stop_myself)
+
+
+def test_a_rank_stopped_inside_close_is_killed_without_waiting_for_it() -> None:
+    """Rank 1's service stops its own process when close() asks it to close: the close
+    step does not wait out its timeout on it, and close() does not report the rank's
+    services as failed (the process is killed and reaped, which is the report)."""
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=2)  # close_timeout 30 s; the services step 10 s
+    w.run(lambda o: o.submit(1, _open_self_stopping_service).result())
+    t0 = time.monotonic()
+    w.close()
+    assert time.monotonic() - t0 < 8
+    assert w.stats().ranks_alive == 0
+    assert wait_settled(before) == {}

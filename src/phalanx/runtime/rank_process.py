@@ -28,6 +28,7 @@ __all__ = ["RankProcess", "describe_exit", "shutdown"]
 log = logging.getLogger("phalanx.runtime")
 
 _STDERR_TAIL_LINES = 40
+_STOP_POLL_S = 0.1  # while waiting for a rank to stop, how often to look for a signal stop
 
 
 def describe_exit(code: int | None) -> str:
@@ -222,6 +223,16 @@ def shutdown(procs: list[RankProcess], ready: set[int], send_shutdown: Callable[
         except OSError:
             pass  # already gone; reaped by the caller
     for p in live:
-        if p.wait_exit(time_left()) is None:
-            log.warning("%s did not stop by the close deadline: killing it", p.describe())
-            p.kill()
+        # Waited in slices: a rank stopped by a signal while we wait (a group stop
+        # completes only once every thread has stopped) is killed then, not at the deadline.
+        while p.wait_exit(min(time_left(), _STOP_POLL_S)) is None:
+            if p.stop_signal() is not None:
+                log.warning("%s was stopped by a signal while closing: killing it",
+                            p.describe())
+                p.kill()
+                break
+            if time_left() <= 0:
+                log.warning("%s did not stop by the close deadline: killing it",
+                            p.describe())
+                p.kill()
+                break

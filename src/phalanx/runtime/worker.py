@@ -294,10 +294,14 @@ class Worker:
 
     def _check_hung(self, *, expired_only: bool = False) -> None:
         """The hung-rank rule: once a task deadline passes, a rank that is stopped (by a
-        signal) with work outstanding is treated as dead (RankHungError)."""
-        if self._state is not WorkerState.RUNNING:
-            return  # starting: the start deadline decides; closing: close() kills it
-        ranks = self._outstanding.busy_ranks(time.monotonic() if expired_only else None)
+        signal) with work outstanding is treated as dead (RankHungError); while the worker
+        closes, at once (close's calls must not wait on it)."""
+        if self._state in (WorkerState.STARTING, WorkerState.CLOSED):
+            return  # starting: the start deadline decides
+        # While closing, nothing may wait on a stopped rank at all: no deadline needed.
+        running = self._state is WorkerState.RUNNING
+        ranks = self._outstanding.busy_ranks(time.monotonic() if expired_only and running
+                                             else None)
         for rank in sorted(ranks):
             signo = self._procs[rank].stop_signal()
             if signo is not None:
@@ -590,7 +594,14 @@ class Worker:
         outcomes = self.call_ranks(self.alive_ranks(), close_services_here,
                                    timeout=_SERVICES_CLOSE_S)
         failures = {r: o.error for r, o in outcomes.items() if o.error is not None}
-        for r, exc in failures.items():
+        for r, exc in list(failures.items()):
+            if isinstance(exc, RankDiedError) and exc.rank == r:
+                # died or stopped meanwhile: its services went with the process; close
+                # kills and reaps it in the next step, which is the report
+                log.warning("worker %s: rank %d was lost while closing its services: %s",
+                            self.generation, r, str(exc).partition(". stderr tail")[0])
+                del failures[r]
+                continue
             exc.add_note(f"closing the rank services of rank {r} (pid {self._procs[r].pid})")
         if failures:
             raise CleanupError(
