@@ -26,11 +26,11 @@ def _rtt_samples(o: Orchestrator, n: int) -> list[float]:
     return samples
 
 
-def _phalanx(ranks: int, starts: int, tasks: int) -> dict[str, float]:
+def _phalanx(ranks: int, starts: int, tasks: int, scheduler: str) -> dict[str, float]:
     start, close, rtt = [], [], []
     for i in range(starts):
         t0 = time.perf_counter()
-        w = Worker(ranks=ranks)
+        w = Worker(ranks=ranks, rank_scheduler=scheduler)
         t1 = time.perf_counter()
         if i == 0:
             w.run(_rtt_samples, 200)  # warm-up
@@ -77,13 +77,16 @@ def _figures(start: list[float], close: list[float], rtt: list[float]) -> dict[s
 @click.option("--ranks", default=2, show_default=True)
 @click.option("--starts", default=10, show_default=True, help="start/close cycles per side")
 @click.option("--tasks", default=5000, show_default=True, help="round trips per side")
+@click.option("--rank-scheduler", type=click.Choice(["batch", "other"]), default="batch",
+              show_default=True, help="the ranks' CPU scheduling policy (Worker's option)")
 @click.option("--json", "as_json", is_flag=True, help="print only the JSON line")
-def command(ranks: int, starts: int, tasks: int, as_json: bool) -> None:
+def command(ranks: int, starts: int, tasks: int, rank_scheduler: str, as_json: bool) -> None:
     """Start/close time and task round trip: phalanx Worker vs multiprocessing.Pool."""
     # Interleave the sides so drift on a noisy machine hits both alike.
     result: dict[str, Any] = {"pool": _pool(ranks, starts, tasks),
-                              "phalanx": _phalanx(ranks, starts, tasks)}
+                              "phalanx": _phalanx(ranks, starts, tasks, rank_scheduler)}
     result["ratio_rtt_p50"] = round(
         result["phalanx"]["task_rtt_us_p50"] / result["pool"]["task_rtt_us_p50"], 3)
     result["ranks"] = ranks
+    result["rank_scheduler"] = rank_scheduler
     emit(result, as_json)
