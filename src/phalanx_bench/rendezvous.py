@@ -28,13 +28,13 @@ from ._stats import emit, percentile
 from .anchors import torch_store
 
 
-def _phalanx_loop(first: int, n: int, ranks: list[int]) -> tuple[list[float], int]:
+def _phalanx_loop(first: int, n: int, ranks: list[int]) -> list[float]:
     samples = []
     for i in range(first, first + n):
         t0 = time.perf_counter()
         handshake("bench", i, ranks)
         samples.append(time.perf_counter() - t0)
-    return samples, live_markers()
+    return samples
 
 
 def _figures(samples: list[float], left: int, left_after_close: int) -> dict[str, float]:
@@ -55,8 +55,10 @@ def _phalanx_round(backend: str, ranks: int, first: int, n: int,
 
     def orch(o: Orchestrator) -> tuple[list[float], int]:
         futures = [o.submit(r, _phalanx_loop, first, n, list(o.ranks)) for r in o.ranks]
-        rank0: tuple[list[float], int] = [f.result() for f in futures][0]  # noqa: RUF015
-        return rank0
+        rank0: list[float] = [f.result() for f in futures][0]  # noqa: RUF015
+        # counted once every rank has returned from its last handshake: the store
+        # backend's last participant to leave (any rank) removes the keys
+        return rank0, o.submit(0, live_markers).result()
 
     with Worker(ranks=ranks, rendezvous=backend, runtime_dir=runtime_dir) as w:
         samples, left = w.run(orch)
