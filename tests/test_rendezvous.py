@@ -65,8 +65,9 @@ def test_two_thousand_handshake_pairs_stay_bounded(backend: str, ranks: int,
         baseline = len(_files_under(runtime_dir)) if backend != "store" else None
         w.run(orch)
     assert len(counts) == 2000
-    # markers of a finished handshake are gone before its leader returns: the count
-    # after each pair is the resting count, and it never grows with the number done
+    # markers of a finished handshake are gone before its leader returns (the store's:
+    # before its last participant to leave returns): the count after each pair is the
+    # resting count, and it never grows with the number done
     assert max(counts) == min(counts) <= (ranks * 2 + 2)
     if baseline is not None:
         assert max(counts) == baseline == 2  # the generation dir and its owner record
