@@ -316,7 +316,7 @@ class StoreBackend:
               departing: list[bool]) -> _Outcome | _Missing:
         """Arrive, wait, depart."""
         try:
-            # at least 1 ms: torch reads a zero timeout as "the store's default"
+            # at least 1 ms: never zero, which some torch calls read as "no timeout"
             store.barrier(where.key, n, timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except self._store_error:  # the deadline (a lost connection is another error)
             return self._give_up(store, where, n, position, departing)
