@@ -23,9 +23,10 @@ from ._errors import (
 )
 from .run import Orchestrator, RunHandle, RunState
 from .services import RankServices, rank_services
+from .state import WorkerState
 from .stats import WorkerStats
 from .tasks import Outcome, TaskFuture
-from .worker import Worker, WorkerState
+from .worker import Worker
 
 __all__ = [
     "HubStuckError",

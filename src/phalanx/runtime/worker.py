@@ -15,7 +15,6 @@ close() stops the ranks that still run those tasks. Layers above use the public 
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import os
@@ -54,10 +53,12 @@ from ._errors import (
 from .channel import DEFAULT_MAX_MESSAGE_BYTES, Kind, check_size, encode
 from .codec import decode_error, encode_task
 from .hub import Hub
+from .losses import Losses
 from .outstanding import Outstanding
 from .rank_calls import arm_in_ranks, close_services_here
 from .rank_process import RankProcess, shutdown
 from .run import Orchestrator, Run, RunHandle, RunState
+from .state import WorkerState
 from .stats import WorkerStats
 from .tasks import Outcome, TaskFuture
 
@@ -69,20 +70,12 @@ _RUN_ADMITTED = Failpoint("worker.run.admitted", "the parent admitted a run, bef
 _RANKS_SPAWNED = Failpoint("worker.start.ranks_spawned", "rank processes exist, not yet ready")
 _RANKS_STOPPING = Failpoint("worker.close.stop_ranks", "close() is about to stop the ranks")
 
-_EXIT_WAIT_S = 2.0  # after a channel EOF, how long to wait for the rank's exit status
 _KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap
 # At close, how long a rank running a task nobody waits for any more (past its deadline,
 # or abandoned after a rank died or hung) may take to finish it before it is killed.
 _ABANDONED_GRACE_S = 1.0
 _SERVICES_CLOSE_S = 10.0  # the close step that closes each rank's services, at most
 _MIN_CLOSE_CALL_S = 1.0  # a call made by a close step gets at least this long
-
-
-class WorkerState(enum.Enum):
-    STARTING = "starting"  # ranks are being started; no runs yet
-    RUNNING = "running"  # admitting runs (unless poisoned)
-    CLOSING = "closing"  # close() began: no new runs; in-flight runs drain
-    CLOSED = "closed"  # close() finished and owes nothing
 
 
 class Worker:
@@ -148,6 +141,8 @@ class Worker:
         self._call_ids = itertools.count(1)
         self._close_prepared = False
         self._procs: dict[int, RankProcess] = {}
+        self._losses = Losses(self._procs, self._outstanding, lambda: self._state,
+                              self._first_loss, self._task_failed)
         self._ready: set[int] = set()  # ranks that said READY: only they can stop gracefully
         self._send_locks = {r: threading.Lock() for r in self.ranks}
         self._counts = dict.fromkeys(
@@ -172,7 +167,7 @@ class Worker:
         failpoints.check(fps)  # a typo fails here, by name, not as ranks that never start
         ensure_private_dir(self.runtime_dir)
         self.sweep_report = sweep(self.runtime_dir, self._lease_expiry_s)
-        self._hub = Hub(self._on_frame, self._on_eof, self._on_stderr, self.max_message_bytes,
+        self._hub = Hub(self._on_frame, self._losses.lost, self._on_stderr, self.max_message_bytes,
                         on_tick=self._on_tick)
         self._hub.start()
         self._journal.add("stop the hub thread", self._hub.stop)
@@ -231,7 +226,7 @@ class Worker:
             self._generation.remove()
 
     def _on_tick(self) -> None:
-        self._check_hung(expired_only=True)  # when nobody waits on the expired task
+        self._losses.check_hung(expired_only=True)  # when nobody waits on the expired task
         now = time.monotonic()
         for rank, rid, missing in self._coordinator.expire(now):
             self._reply_rdv(rank, rid, missing)
@@ -256,7 +251,7 @@ class Worker:
                 # A peer's death often fails a task (a barrier notices it) before the
                 # dead rank's EOF is read: handle the death first, while this task is
                 # still outstanding, so the run fails with the death, not the symptom.
-                self._notice_exits()
+                self._losses.notice_exits()
             fut = self._outstanding.pop(msg_id)
             if fut is None:
                 log.error("rank %d: reply for unknown task id %d", rank, msg_id)
@@ -284,65 +279,19 @@ class Worker:
         else:
             self._procs[rank].startup.put((kind, payload))
 
-    def _on_eof(self, rank: int) -> None:
-        self._rank_lost(rank)
-
-    def _notice_exits(self) -> None:
-        for p in self._procs.values():
-            if not self._outstanding.exited(p.rank) and p.exiting():
-                self._rank_lost(p.rank)
-
-    def _check_hung(self, *, expired_only: bool = False) -> None:
-        """The hung-rank rule: once a task deadline passes, a rank that is stopped (by a
-        signal) with work outstanding is treated as dead (RankHungError); while the worker
-        closes, at once (close's calls must not wait on it)."""
-        if self._state in (WorkerState.STARTING, WorkerState.CLOSED):
-            return  # starting: the start deadline decides
-        # While closing, nothing may wait on a stopped rank at all: no deadline needed.
-        running = self._state is WorkerState.RUNNING
-        ranks = self._outstanding.busy_ranks(time.monotonic() if expired_only and running
-                                             else None)
-        for rank in sorted(ranks):
-            signo = self._procs[rank].stop_signal()
-            if signo is not None:
-                self._rank_lost(rank, stop_signal=signo)
-
-    def _rank_lost(self, rank: int, *, stop_signal: int | None = None,
-                   flush: bool = True) -> None:
-        """A rank died (``stop_signal`` None) or hung: fail what depends on it at once.
-
-        Its own outstanding tasks fail (and, if it exited, are finished); unless the
-        worker is closing, so does every outstanding task of every live run and of every
-        ``call_ranks`` call that includes it, on every rank: those are abandoned, their
-        ranks may still run them (the fence waits; close() stops those ranks). Idempotent.
-        """
-        proc = self._procs[rank]
-        if stop_signal is None:
-            proc.wait_exit(_EXIT_WAIT_S)
-            if flush:
-                proc.flush_stderr()
+    def _first_loss(self, rank: int, err: RankDiedError, closing: bool) -> None:
         with self._lock:
-            closing = self._state in (WorkerState.CLOSING, WorkerState.CLOSED)
-        err = proc.lost_error(stop_signal, closing)
-        loss = self._outstanding.lose(rank, err, exited=stop_signal is None, spread=not closing)
-        if loss is None:
-            return
-        if loss.first:
-            with self._lock:
-                if not closing and self._state is not WorkerState.STARTING \
-                        and self._poison is None:
-                    self._poison = str(err).partition(". stderr tail")[0]
-            for r, rid, missing in self._coordinator.abort_rank(rank):
-                self._reply_rdv(r, rid, missing)
-            if not closing and self._state is WorkerState.RUNNING:
-                log.error("%s", err)
-        for f in loss.finish:
-            f.set_exception(err)
-            if not f.control:
-                self._count("tasks_failed")
-        for f in loss.abandon:
-            f.abandon(err)
-        proc.startup.put((None, err))
+            if not closing and self._state is not WorkerState.STARTING \
+                    and self._poison is None:
+                self._poison = str(err).partition(". stderr tail")[0]
+        for r, rid, missing in self._coordinator.abort_rank(rank):
+            self._reply_rdv(r, rid, missing)
+        if not closing and self._state is WorkerState.RUNNING:
+            log.error("%s", err)
+
+    def _task_failed(self, fut: TaskFuture) -> None:
+        if not fut.control:
+            self._count("tasks_failed")
 
     def _on_stderr(self, rank: int, text: str) -> None:
         self._procs[rank].remember_stderr(text)
@@ -453,7 +402,7 @@ class Worker:
         check_size(len(payload), self.max_message_bytes, f"task {name} for rank {rank}")
         fut = TaskFuture(rank, next(self._ids), name, 0 if run is None else run.run_id,
                          self.task_timeout if timeout is None else timeout, control, group,
-                         self._check_hung)
+                         self._losses.check_hung)
         if run is not None:
             run.add_task(fut)
         dead = self._outstanding.admit(fut)
@@ -582,7 +531,7 @@ class Worker:
                  if self._procs[r].wait_exit(_KILL_WAIT_S) is None]
         for r in ranks:
             if self._procs[r].proc.poll() is not None:
-                self._rank_lost(r, flush=False)
+                self._losses.lost(r, flush=False)
         if stuck:
             raise RankDiedError(f"could not reap {', '.join(stuck)} within {_KILL_WAIT_S:g}s "
                                 f"of SIGKILL", -1, None)
