@@ -356,18 +356,3 @@ def test_the_embedded_default_model_serves_text_and_chat(
                          SamplingParams(temperature=0, max_tokens=4))
         assert again.prompt is not None and "<|im_start|>assistant" in again.prompt
         assert again.finished
-
-
-def test_readme_inference_example_runs(tmp_path: Path) -> None:
-    import os
-    import subprocess
-    import sys
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    start = text.index("```python", text.index("## Inference (Python API)")) + len("```python")
-    code = text[start:text.index("```", start)]
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert out.returncode == 0, out.stderr
-    assert "8 length" in out.stdout and "PrefixCounters(" in out.stdout

@@ -24,8 +24,8 @@ SRC = Path(phalanx.__file__).parent
 
 PUBLIC: dict[str, list[str]] = {
     "phalanx": [
-        "Domain", "DomainView", "Orchestrator", "RunHandle", "TaskFuture", "Worker",
-        "WorkerStats", "__version__", "current_rank",
+        "Domain", "DomainView", "LLM", "Orchestrator", "RunHandle", "SamplingParams",
+        "TaskFuture", "Worker", "WorkerStats", "__version__", "current_rank",
     ],
     "phalanx.lifecycle": [
         "CleanupError", "CleanupJournal", "Failpoint", "FailpointError", "PhalanxError",
@@ -71,9 +71,10 @@ PUBLIC: dict[str, list[str]] = {
         "SyntheticSource", "rank_cache", "rank_directories",
     ],
     "phalanx.engine": [
-        "CompletionOutput", "Engine", "EngineConfig", "InMemoryTier", "LLM", "Logprob",
-        "PageLoad", "PageSave", "PrefixTier", "RequestOutput", "SamplingParams", "SamplingSpec",
-        "Scheduler", "SchedulerConfig", "SeqChunk", "StepPlan", "StepResult", "TokenLogprobs",
+        "CompletionOutput", "DomainComm", "Engine", "EngineConfig", "InMemoryTier", "LLM",
+        "Logprob", "PageLoad", "PageSave", "PrefixTier", "RequestOutput", "SamplingParams",
+        "SamplingSpec", "Scheduler", "SchedulerConfig", "SeqChunk", "StepPlan", "StepResult",
+        "TokenLogprobs", "TorchDistComm", "default_model_dir",
     ],
     "phalanx.serve": [],
     "phalanx.errors": [

@@ -12,6 +12,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from phalanx.comm import Domain, DomainOrchestrator, DomainView, Worker
+from phalanx.engine import LLM, SamplingParams  # torch is imported only when a model runs
 from phalanx.runtime import RunHandle, TaskFuture, WorkerStats, current_rank
 
 #: The ``o`` an orch function receives (tasks and domains).
@@ -20,8 +21,10 @@ Orchestrator = DomainOrchestrator
 __all__ = [
     "Domain",
     "DomainView",
+    "LLM",
     "Orchestrator",
     "RunHandle",
+    "SamplingParams",
     "TaskFuture",
     "Worker",
     "WorkerStats",
