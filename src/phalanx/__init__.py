@@ -19,9 +19,9 @@ from phalanx.runtime import RunHandle, TaskFuture, WorkerStats, current_rank
 Orchestrator = DomainOrchestrator
 
 __all__ = [
+    "LLM",
     "Domain",
     "DomainView",
-    "LLM",
     "Orchestrator",
     "RunHandle",
     "SamplingParams",
