@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: request models, one error shape, routes, streams, metrics."""

@@ -7,6 +7,7 @@ and sampling parameters, run it on the engine, shape the answer. Per-request err
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -174,8 +175,6 @@ class _Api:
                         headers={} if h.ok else {"Retry-After": "5"})
 
     async def metrics_route(self, request: Request) -> Response:
-        import asyncio
-
         stats = await asyncio.to_thread(self.engine.stats)  # may ask the ranks: off the loop
         body, content_type = self.metrics.render(stats)
         return Response(body, media_type=content_type)
@@ -282,8 +281,6 @@ def _engine_error(exc: EngineError) -> APIError:
 
 async def _collect(choices: Choices, n: int, request: Request) -> list[rsp.ChoiceState]:
     """A non-streaming request's choices; a client that disconnects aborts them."""
-    import asyncio
-
     states = [rsp.ChoiceState(i) for i in range(n)]
 
     async def consume() -> None:
