@@ -1,3 +1,5 @@
-"""The serve layer: the `phalanx` CLI (and, later, the HTTP API and metrics)."""
+"""The serve layer: the `phalanx` CLI and `phalanx serve`, the OpenAI-compatible HTTP server
+(``api/``: requests, errors, routes, streams, metrics; ``driver``: the engine thread;
+``supervisor``: health and restarts; ``server``: uvicorn, signals, the ready line)."""
 
 __all__: list[str] = []
