@@ -17,6 +17,8 @@ _BENCHES: dict[str, str] = {
     "domains": "domains",
     "cache-disk": "cache_disk",
     "replication": "replication",
+    "engine": "engine",
+    "serve": "serve",
 }
 
 

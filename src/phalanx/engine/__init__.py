@@ -5,6 +5,9 @@ Importing this package does not import torch: the modules that need it (the mode
 runner, sampling's ``sample``) import it when they run.
 """
 
+from typing import TYPE_CHECKING, Any
+
+from .default_model import default_model_dir
 from .engine import Engine, EngineConfig
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
@@ -12,9 +15,26 @@ from .plan import PageLoad, PageSave, SamplingSpec, SeqChunk, StepPlan, StepResu
 from .sampling import SamplingParams
 from .scheduler import InMemoryTier, PrefixTier, Scheduler, SchedulerConfig
 
+if TYPE_CHECKING:
+    from .tp import DomainComm, TorchDistComm
+
+# the TP communicators import torch: loaded on first use, so this package still does not
+_LAZY = {"DomainComm": ".tp", "TorchDistComm": ".tp"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "DomainComm",
     "Engine",
     "EngineConfig",
     "InMemoryTier",
@@ -31,4 +51,6 @@ __all__ = [
     "StepPlan",
     "StepResult",
     "TokenLogprobs",
+    "TorchDistComm",
+    "default_model_dir",
 ]
