@@ -6,7 +6,7 @@ task and one load task for its batch; and ``store`` and ``load`` row after row,
 ``store_each_gbps`` and ``load_each_gbps``), a plain-Python baseline writing the same
 bytes as one file per row (open, write, rename; same fsync policy) and reading them
 back (open, readinto), and LMCache's ``fs_native`` disk path (its best; four C++ I/O
-workers) through its anchor (``anchors/lmcache.py``) run by the LMCache venv's python,
+workers) through its anchor (``anchors/lmcache_disk.py``) run by the LMCache venv's python,
 one process per rep; and, where the kernel offers io_uring and the store's default
 read path does not use it, ``load_many`` with ``io_uring=True`` (``load_uring_gbps``;
 its own store, written the same way). Reps alternate the sides, so the drift of a
@@ -57,7 +57,7 @@ __all__ = ["command"]
 BENCH_GEOMETRY = Geometry(layers=4, kv_heads=2, head_dim=64, dtype="bfloat16", page_tokens=64)
 # 512-byte pages: 100,000 records stay small on disk
 RECOVERY_GEOMETRY = Geometry(layers=1, kv_heads=1, head_dim=8, dtype="float16", page_tokens=16)
-DRIVER = Path(__file__).with_name("anchors") / "lmcache.py"  # a script: see its docstring
+DRIVER = Path(__file__).with_name("anchors") / "lmcache_disk.py"  # a script: see its docstring
 
 
 def _timed(fn: Callable[[], object], writes: int = 0) -> float:

@@ -6,7 +6,7 @@ through that system's internals, the code doing so sits here, one module per anc
 whose docstring says which internals and why; so a release of the anchor that moves
 them breaks one file, and a reader sees at once what is not a public API.
 
-* ``lmcache``: LMCache's ``fs_native`` disk path, driven through its L2 adapter (a
+* ``lmcache_disk``: LMCache's ``fs_native`` disk path, driven through its L2 adapter (a
   script run by the LMCache venv's python; never imported here).
 * ``torch_store``: torch's store-based barrier (the rendezvous benchmark).
 

@@ -2,7 +2,7 @@
 cache-disk benchmark as a script with the LMCache venv's python (LMCache and its torch
 live there, not in phalanx's venv; nothing imports this module).
 
-    python lmcache.py --dir DIR --cases 262144x1024,4194304x64 --reps 3
+    python lmcache_disk.py --dir DIR --cases 262144x1024,4194304x64 --reps 3
 
 Prints one JSON line: {"rows": [{"row_bytes", "store_gbps", "load_gbps"}, ...]}.
 Same rules as phalanx's side: buffered I/O, page cache not dropped, os.sync() untimed
@@ -14,7 +14,8 @@ vLLM engine and a model. Its disk tier alone is reached only through its distrib
 L2 adapter layer: the private factory ``fs_native_l2_adapter._create_fs_native_l2_adapter``,
 ``TensorMemoryAllocator`` memory objects, ``ObjectKey`` and the adapter's task/event-fd
 calls, as LMCache's own storage manager drives them. A release that moves these breaks
-this file only.
+this file only. (Not named ``lmcache.py``: run as a script, its directory comes first on
+``sys.path``, and ``import lmcache`` would find this file instead of the package.)
 """
 
 from __future__ import annotations
