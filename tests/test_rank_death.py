@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 import phalanx
@@ -336,4 +337,129 @@ def test_a_rank_stopped_inside_close_is_killed_without_waiting_for_it() -> None:
     w.close()
     assert time.monotonic() - t0 < 8
     assert w.stats().ranks_alive == 0
+    assert wait_settled(before) == {}
+
+
+# -- the review's findings (R1, R3, R4) -------------------------------------------------
+def _fork_then_block(marker_dir: str) -> None:
+    """Rank 1 forks a child that keeps every inherited descriptor, the control channel
+    too: the rank's death then brings no EOF; only its pid tells."""
+    if phalanx.current_rank() == 1:
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(120)  # killed by the test; bounded if the test dies first
+            os._exit(0)
+        Path(marker_dir, "child").write_text(str(pid))
+    _block_forever(marker_dir)
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux >= 5.3)")
+def test_a_dead_rank_whose_child_holds_its_channel_fails_the_run_at_once(
+        tmp_path: Path) -> None:
+    """R1: the parent watches each rank's pid (a pidfd in the hub's selector), not only
+    its channel's EOF, which a forked child delays for as long as it lives."""
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=2, close_timeout=CLOSE_TIMEOUT_S)
+    child = 0
+    try:
+        pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
+        outcome: list[BaseException | None] = []
+
+        def orch(o: phalanx.Orchestrator) -> None:
+            opts = o.options(timeout=60)  # the old code failed only here, TaskTimeoutError
+            for f in [opts.submit(r, _fork_then_block, str(tmp_path)) for r in o.ranks]:
+                f.result()
+
+        def drive() -> None:
+            try:
+                w.run(orch)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001  inspected below
+                outcome.append(exc)
+
+        runner = threading.Thread(target=drive)
+        runner.start()
+        _wait_for(lambda: (tmp_path / "child").exists() and
+                  len(list(tmp_path.glob("in-*"))) == 2, 60, "both ranks busy, child forked")
+        child = int((tmp_path / "child").read_text())
+        os.kill(pids[1], signal.SIGKILL)
+        runner.join(FAIL_BOUND_S)
+        assert not runner.is_alive(), "the death went unnoticed while the child lived"
+        err = outcome[0]
+        assert isinstance(err, RankDiedError) and err.rank == 1, repr(err)
+        assert f"rank 1 (pid {pids[1]}) was killed by SIGKILL" in str(err)
+        assert w.alive_ranks() == [0]
+    finally:
+        if child:
+            os.kill(child, signal.SIGKILL)
+        w.close()
+    assert wait_settled(before) == {}
+
+
+def test_call_ranks_with_a_rank_already_lost_fails_every_part_at_once(
+        tmp_path: Path) -> None:
+    """R3: a part refused at admission (its rank is lost) fails its siblings too; none of
+    them is sent (rank 0 never starts the call's function)."""
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=2)
+    try:
+        pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
+        os.kill(pids[1], signal.SIGKILL)
+        _wait_for(lambda: 1 not in w.alive_ranks(), 20, "rank 1's death noticed")
+        t0 = time.monotonic()
+        out = w.call_ranks([0, 1], _block_forever, str(tmp_path), timeout=30)
+        assert time.monotonic() - t0 < 5, "a part waited out its timeout"
+        for r in (0, 1):
+            err = out[r].error
+            assert isinstance(err, RankDiedError) and err.rank == 1, out
+        assert not (tmp_path / "in-0").exists()
+        assert w.call_ranks([0], os.getpid)[0].unwrap() == pids[0]  # live ranks still work
+    finally:
+        w.close()
+    assert wait_settled(before) == {}
+
+
+def _size(b: bytes) -> int:
+    return len(b)
+
+
+def test_a_large_task_for_a_stopped_rank_fails_by_its_deadline_not_never(
+        tmp_path: Path) -> None:
+    """R4: a send to a rank that stopped reading is bounded by the task's deadline: the
+    submitter gets RankHungError then (the old code blocked in sendall forever, with the
+    rank's send lock held), and close() is not held up."""
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=2, close_timeout=CLOSE_TIMEOUT_S)
+    outcome: list[BaseException | int] = []
+    runner = None
+    try:
+        pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
+        os.kill(pids[1], signal.SIGSTOP)
+        _wait_for(lambda: psutil.Process(pids[1]).status() == psutil.STATUS_STOPPED, 20,
+                  "rank 1 stopped")
+
+        def drive() -> None:
+            try:
+                outcome.append(w.run(lambda o: o.options(timeout=HUNG_DEADLINE_S).submit(
+                    1, _size, b"x" * (8 << 20)).result()))
+            except BaseException as exc:  # noqa: BLE001  inspected below
+                outcome.append(exc)
+
+        runner = threading.Thread(target=drive, daemon=True)
+        t0 = time.monotonic()
+        runner.start()
+        assert w.call_ranks([0], os.getpid)[0].unwrap() == pids[0]  # the hub still serves
+        runner.join(FAIL_BOUND_S + HUNG_DEADLINE_S)
+        assert not runner.is_alive(), "the submitter is still blocked in its send"
+        err = outcome[0]
+        assert isinstance(err, RankHungError) and err.rank == 1, repr(err)
+        assert f"rank 1 (pid {pids[1]}) is stopped by SIGSTOP" in str(err)
+        assert time.monotonic() - t0 >= HUNG_DEADLINE_S - 0.5  # the rule waits its deadline
+    finally:
+        t1 = time.monotonic()
+        w.close()
+        closed_in = time.monotonic() - t1
+        if runner is not None:
+            runner.join(5)
+    assert closed_in < CLOSE_TIMEOUT_S
     assert wait_settled(before) == {}

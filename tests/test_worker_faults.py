@@ -8,13 +8,17 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 import psutil
 import pytest
 
 import phalanx
 from leaks import Snapshot, wait_settled
+from phalanx.lifecycle import CleanupError
 from phalanx.runtime import RankDiedError, WorkerPoisonedError
+from phalanx.runtime.run import Orchestrator, Run, RunHandle
+from phalanx.runtime.tasks import TaskFuture
 
 
 def test_fifty_workers_in_a_row_leave_nothing() -> None:
@@ -111,4 +115,83 @@ def test_leak_detector_sees_an_unclosed_worker() -> None:
         assert {"children", "threads", "fds"} <= grown.keys()
     finally:
         w.close()
+    assert wait_settled(before) == {}
+
+
+# -- the review's findings (R5, R6) -----------------------------------------------------
+class _FinishesWhileDrainLooks(TaskFuture):
+    """Unfinished at the drain's first look, finished at every later one: the rank's
+    report landing (on the hub thread) between two looks, made deterministic."""
+
+    __slots__ = ("looks",)
+
+    @property
+    def finished(self) -> bool:  # type: ignore[override]
+        self.looks = getattr(self, "looks", 0) + 1
+        return self.looks > 1
+
+
+def test_a_task_finishing_while_the_drain_looks_still_settles_the_run() -> None:
+    """R5: Run._drain looked twice at which tasks were unfinished; a task finishing in
+    between made the second look find none, StopIteration escaped Run.execute and the
+    run never settled (result() blocked forever)."""
+    retired: list[Run] = []
+
+    class _Submitter:
+        ranks = (0,)
+
+        def _run_retired(self, run: Run) -> None:
+            retired.append(run)
+
+    run = Run(1, "orch", _Submitter())  # type: ignore[arg-type]
+    fut = _FinishesWhileDrainLooks(0, 1, "t", 1, 60.0)
+
+    def orch(o: Orchestrator) -> str:
+        run.add_task(fut)
+        fut.abandon(RankDiedError("rank 1 died", 1, None))
+        assert fut.exception() is not None  # the orch saw the failure and handled it
+        return "handled"
+
+    run.execute(orch, (), {}, Orchestrator(run), wait_fence=False)
+    assert run.settled.wait(10), "the run never settled"
+    with pytest.raises(RankDiedError, match="rank 1 died"):  # it was unfinished at the look
+        RunHandle(run).result(timeout=0)
+    fut.set_exception(RankDiedError("rank 1 died", 1, None))  # the report: its fence passes
+    assert run.retired.wait(10) and retired == [run]
+
+
+def _failing_once() -> Callable[[], None]:
+    calls = []
+
+    def step() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(5, "a close step says no")
+    return step
+
+
+def test_an_error_in_a_with_block_comes_up_beside_a_failing_close() -> None:
+    """R6: the with block's error is in close()'s CleanupError, not hidden in its
+    __context__; an interrupt stays an interrupt, with the close failure in a note."""
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=1)
+    w.add_close_step("a step that fails once", _failing_once())
+    with pytest.raises(CleanupError) as info, w:
+        raise ValueError("the block failed")
+    kinds = [type(e) for e in info.value.exceptions]
+    assert ValueError in kinds, info.value.exceptions
+    assert "the with block failed (ValueError('the block failed'))" in str(info.value)
+    w.close()  # retries the failed step: it passes now
+
+    w = phalanx.Worker(ranks=1)
+    w.add_close_step("a step that fails once", _failing_once())
+    with pytest.raises(KeyboardInterrupt) as interrupt, w:
+        raise KeyboardInterrupt
+    assert any("closing worker" in n and "a close step says no" in n
+               for n in getattr(interrupt.value, "__notes__", [])), interrupt.value
+    w.close()
+
+    w = phalanx.Worker(ranks=1)
+    with pytest.raises(ValueError, match="plain"), w:  # a clean close: the error as it is
+        raise ValueError("plain")
     assert wait_settled(before) == {}

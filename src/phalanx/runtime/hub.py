@@ -38,6 +38,14 @@ class _Conn:
         self.buf = bytearray()
 
 
+class _Exit:
+    __slots__ = ("conn", "pidfd")
+
+    def __init__(self, conn: _Conn, pidfd: int) -> None:
+        self.conn = conn
+        self.pidfd = pidfd
+
+
 class Hub:
     def __init__(
         self,
@@ -71,20 +79,30 @@ class Hub:
             self._pending.append(fn)
         os.write(self._wake_w, b"x")
 
-    def add(self, rank: int, sock: socket.socket, stderr: IO[bytes] | None) -> None:
+    def add(self, rank: int, sock: socket.socket, stderr: IO[bytes] | None,
+            pidfd: int | None = None) -> None:
+        """Watch a rank's channel, its stderr and (``pidfd``) its exit: a dead rank is
+        noticed by its pidfd even while a process it forked holds the channel open."""
         def register() -> None:
-            self._sel.register(sock, selectors.EVENT_READ, _Conn(rank, sock))
+            conn = _Conn(rank, sock)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
             if stderr is not None:
                 os.set_blocking(stderr.fileno(), False)
                 self._sel.register(stderr, selectors.EVENT_READ, rank)
+            if pidfd is not None:
+                self._sel.register(pidfd, selectors.EVENT_READ, _Exit(conn, pidfd))
 
         self._call_soon(register)
 
-    def remove(self, sock: socket.socket, stderr: IO[bytes] | None, timeout: float = 5.0) -> None:
+    def remove(self, sock: socket.socket, stderr: IO[bytes] | None, timeout: float = 5.0,
+               pidfd: int | None = None) -> None:
         """Unregister a rank's fds and wait until the hub thread no longer touches them."""
         done = threading.Event()
 
         def unregister() -> None:
+            if pidfd is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self._sel.unregister(pidfd)
             for f in (sock, stderr):
                 if f is not None and f.fileno() >= 0:
                     try:
@@ -131,6 +149,8 @@ class Hub:
                     self._drain_wakeups()
                 elif isinstance(data, _Conn):
                     self._read_channel(data)
+                elif isinstance(data, _Exit):
+                    self._exited(data)
                 else:
                     self._read_stderr(data, key.fileobj)  # type: ignore[arg-type]
 
@@ -142,17 +162,32 @@ class Hub:
         for fn in pending:
             fn()
 
-    def _read_channel(self, conn: _Conn) -> None:
+    def _exited(self, ex: _Exit) -> None:
+        """The rank's process exited: read what it sent before it died, then handle the
+        loss now, whether or not the channel's EOF comes (a process it forked may hold
+        the channel open). The loss handler is idempotent: a later EOF is a no-op."""
+        self._sel.unregister(ex.pidfd)
+        conn = ex.conn
+        if self._sel.get_map().get(conn.sock.fileno()) is None:
+            return  # its EOF came first and was handled
+        while self._read_channel(conn):
+            pass
+        if self._sel.get_map().get(conn.sock.fileno()) is not None:  # no EOF read
+            self._on_eof(conn.rank)
+
+    def _read_channel(self, conn: _Conn) -> bool:
+        """Read what is there, never waiting; True if data came (more may follow)."""
         try:
-            chunk = conn.sock.recv(1 << 16)
+            chunk = conn.sock.recv(1 << 16, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError, TimeoutError):
-            return
+            return False
         except OSError:
             chunk = b""
         if not chunk:
-            self._sel.unregister(conn.sock)
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(conn.sock)
             self._on_eof(conn.rank)
-            return
+            return False
         buf = conn.buf
         buf += chunk
         while len(buf) >= HEADER.size:
@@ -165,7 +200,7 @@ class Hub:
                 log.exception("phalanx hub: rank %d sent a corrupt frame header", conn.rank)
                 self._sel.unregister(conn.sock)
                 self._on_eof(conn.rank)
-                return
+                return False
             end = HEADER.size + length
             if len(buf) < end:
                 break
@@ -175,6 +210,7 @@ class Hub:
                 self._on_frame(conn.rank, Kind(kind), msg_id, payload)
             except Exception:  # a handler bug must not kill the hub and hang every run
                 log.exception("phalanx hub: handling a frame from rank %d failed", conn.rank)
+        return True
 
     def _read_stderr(self, rank: int, f: IO[bytes]) -> None:
         try:

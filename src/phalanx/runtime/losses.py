@@ -1,11 +1,13 @@
 """Noticing a lost rank and failing what depends on it, at once.
 
-A rank is lost when it died (its channel's EOF, or an exit found first when a task
-fails: a survivor's barrier sees a dead peer by its pid before the parent reads the
-EOF) or hung (stopped by a signal once a task deadline passed; while the worker closes,
-at once). What the loss fails is decided by :class:`~.outstanding.Outstanding`; this
-module notices losses and applies them. The Worker calls it from the hub thread (EOF,
-failed results, ticks), from a waiter whose task expired, and from close().
+A rank is lost when it died (its pidfd turned readable in the hub; its channel's EOF,
+the only sign where pidfd_open is missing, which a process the rank forked delays; or
+an exit found first when a task fails: a survivor's barrier sees a dead peer by its
+pid before the parent reads the EOF) or hung (stopped by a signal once a task deadline
+passed; while the worker closes, at once). What the loss fails is decided by
+:class:`~.outstanding.Outstanding`; this module notices losses and applies them. The
+Worker calls it from the hub thread (exits, EOF, failed results, ticks), from a waiter
+whose task expired, from a send that timed out, and from close().
 """
 
 from __future__ import annotations

@@ -52,6 +52,23 @@ class Outstanding:
                 self._tasks[fut.task_id] = fut
             return lost
 
+    def admit_call(self, futs: list[TaskFuture], *,
+                   spread: bool) -> list[tuple[TaskFuture, RankDiedError]]:
+        """Record the parts of one call_ranks call together; return those refused, each
+        with why. With ``spread`` (the worker is not closing) a lost rank refuses every
+        part (a part refused at admission never enters the table, so no loss would ever
+        fail its siblings); without, each part is admitted or refused on its own (close
+        steps free what the live ranks hold)."""
+        with self._lock:
+            lost = next((self._lost[f.rank] for f in futs if f.rank in self._lost), None)
+            if spread and lost is not None:
+                return [(f, lost) for f in futs]
+            refused = [(f, self._lost[f.rank]) for f in futs if f.rank in self._lost]
+            for f in futs:
+                if f.rank not in self._lost:
+                    self._tasks[f.task_id] = f
+            return refused
+
     def pop(self, task_id: int) -> TaskFuture | None:
         with self._lock:
             return self._tasks.pop(task_id, None)

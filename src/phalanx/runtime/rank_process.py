@@ -43,6 +43,19 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd for our child ``pid`` (Linux >= 5.3), or None: then a death is noticed by
+    the control channel's EOF alone."""
+    open_pidfd = getattr(os, "pidfd_open", None)
+    if open_pidfd is None:
+        return None
+    try:
+        return int(open_pidfd(pid))
+    except OSError as err:  # ENOSYS on an old kernel; ESRCH cannot happen (not reaped)
+        log.debug("pidfd_open(%d) failed (%s): watching the channel's EOF only", pid, err)
+        return None
+
+
 class RankProcess:
     """One rank's process, its end of the control channel, and its stderr tail.
 
@@ -94,8 +107,12 @@ class RankProcess:
             raise
         finally:
             child_sock.close()
+        parent_sock.setblocking(False)  # sends are bounded (sending.py), reads the hub's
         self.sock = parent_sock
         self.pid = self.proc.pid
+        # Readable once the process exited: its death is noticed even while a process it
+        # forked keeps the control channel open (no EOF then). None where unsupported.
+        self.pidfd = _open_pidfd(self.pid)
         self._tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
         self._tail_lock = threading.Lock()
         # start-up frames (HELLO, READY) or (None, the error) if it died, from the hub
@@ -204,6 +221,9 @@ class RankProcess:
 
     def close_fds(self) -> None:
         self.sock.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
         if self.proc.stderr is not None:
             self.proc.stderr.close()
 

@@ -129,13 +129,17 @@ class Run:
                 if failure is not None and not task.observed:
                     self.error = failure
                     break
-        if all(t.finished for t in self.tasks):
+        # Looked at once: a task may finish (on the hub thread) while we look, and a
+        # second look could then find none unfinished (StopIteration escaped execute()
+        # and the run never settled).
+        unfinished = [t for t in self.tasks if not t.finished]
+        if not unfinished:
             return True
         # A task ran past its deadline or was abandoned (a rank it depends on died or
         # hung): the caller learns now; the fence still waits until the rank stops
         # running it (close() kills the rank if need be).
         if self.error is None:
-            self.error = next(t.failure() for t in self.tasks if not t.finished)
+            self.error = next((f for t in unfinished if (f := t.failure()) is not None), None)
         with self._lock:
             self.state = RunState.ABANDONED
         self.settled.set()

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from phalanx.lifecycle import CleanupError, CleanupJournal, failpoints
@@ -47,6 +48,7 @@ from ._errors import (
     RemoteTaskError,
     RunSlotTimeoutError,
     RunsStuckError,
+    TaskTimeoutError,
     WorkerClosedError,
     WorkerPoisonedError,
 )
@@ -58,6 +60,7 @@ from .outstanding import Outstanding
 from .rank_calls import arm_in_ranks, close_services_here
 from .rank_process import RankProcess, shutdown
 from .run import Orchestrator, Run, RunHandle, RunState
+from .sending import Sender, SendTimeoutError
 from .state import WorkerState
 from .stats import WorkerStats
 from .tasks import Outcome, TaskFuture
@@ -144,7 +147,8 @@ class Worker:
         self._losses = Losses(self._procs, self._outstanding, lambda: self._state,
                               self._first_loss, self._task_failed)
         self._ready: set[int] = set()  # ranks that said READY: only they can stop gracefully
-        self._send_locks = {r: threading.Lock() for r in self.ranks}
+        self._sender = Sender(lambda r: self._outstanding.lost(r) is not None,
+                              self._send_timed_out)
         self._counts = dict.fromkeys(
             ("runs_admitted", "runs_retired", "runs_failed", "tasks_submitted",
              "tasks_succeeded", "tasks_failed"), 0)
@@ -179,7 +183,8 @@ class Worker:
             proc = RankProcess(r, max_message_bytes=self.max_message_bytes,
                                failpoints=fps, env=env, scheduler=self._rank_scheduler)
             self._procs[r] = proc
-            self._hub.add(r, proc.sock, proc.proc.stderr)
+            self._sender.add(r, proc.sock.send, proc.sock.fileno())
+            self._hub.add(r, proc.sock, proc.proc.stderr, proc.pidfd)
         _RANKS_SPAWNED.hit()
         hellos = {r: self._procs[r].await_startup(Kind.HELLO, deadline) for r in self.ranks}
         token = hellos[0][2]
@@ -194,7 +199,7 @@ class Worker:
                                  "generation": token, "threads": threads, "rendezvous": spec,
                                  "job_token": self._job_token})
             for r in group:
-                self._send(r, Kind.INIT, 0, init)
+                self._send(r, Kind.INIT, 0, init, deadline)
             for r in group:
                 ready = self._procs[r].await_startup(Kind.READY, deadline)
                 self._ready.add(r)
@@ -239,8 +244,10 @@ class Worker:
                             self._generation.owner_path, err)
 
     def _reply_rdv(self, rank: int, request_id: int, missing: list[int] | None) -> None:
+        # Often on the hub thread, which must never wait on a rank that does not read.
         try:
-            self._send(rank, Kind.RDV_REPLY, request_id, pickle.dumps(missing))
+            self._sender.send_from_hub(rank, encode(Kind.RDV_REPLY, request_id,
+                                                    pickle.dumps(missing)))
         except OSError:
             pass  # that rank is gone; its EOF is handled on its own
 
@@ -363,15 +370,28 @@ class Worker:
         close steps, one-off calls. ``timeout`` (default ``task_timeout``) bounds each
         rank's part; while the worker closes it is cut to what the close deadline leaves
         (at least ``_MIN_CLOSE_CALL_S``). A rank that dies or hangs fails every other
-        rank's part of the call at once, with its RankDiedError.
+        rank's part of the call at once, with its RankDiedError; so does a rank lost
+        before the call (then no part is sent). While the worker closes, a part for a
+        lost rank fails alone and the others run (close steps free what they can).
         """
+        closing = self._state in (WorkerState.CLOSING, WorkerState.CLOSED)
         if self._state is WorkerState.CLOSING:
             left = getattr(self, "_close_deadline", 0.0) - time.monotonic()
             cap = max(_MIN_CLOSE_CALL_S, left)
             timeout = cap if timeout is None else min(timeout, cap)
         group = next(self._call_ids)
-        futures = {r: self._submit_task(None, r, fn, args, kwargs, timeout, control=True,
-                                        group=group) for r in ranks}
+        parts = {r: self._new_task(None, r, fn, args, kwargs, timeout, control=True,
+                                   group=group) for r in ranks}
+        # Admitted together: a rank lost already fails every part at once, unsent.
+        refused = self._outstanding.admit_call([f for f, _ in parts.values()],
+                                               spread=not closing)
+        for f, err in refused:
+            f.set_exception(err)
+        unsent = {f.task_id for f, _ in refused}
+        for f, payload in parts.values():
+            if f.task_id not in unsent:
+                self._dispatch(f, Kind.CONTROL, payload)
+        futures = {r: f for r, (f, _) in parts.items()}
         out: dict[int, Outcome] = {}
         for r, f in futures.items():
             try:
@@ -395,14 +415,7 @@ class Worker:
                      args: tuple[Any, ...],
                      kwargs: dict[str, Any], timeout: float | None,
                      control: bool = False, group: int = 0) -> TaskFuture:
-        if rank not in self._send_locks:
-            raise ValueError(f"rank {rank} is not a rank of this worker (ranks {self.ranks})")
-        name = getattr(fn, "__qualname__", type(fn).__name__)
-        payload = encode_task(fn, args, kwargs)
-        check_size(len(payload), self.max_message_bytes, f"task {name} for rank {rank}")
-        fut = TaskFuture(rank, next(self._ids), name, 0 if run is None else run.run_id,
-                         self.task_timeout if timeout is None else timeout, control, group,
-                         self._losses.check_hung)
+        fut, payload = self._new_task(run, rank, fn, args, kwargs, timeout, control, group)
         if run is not None:
             run.add_task(fut)
         dead = self._outstanding.admit(fut)
@@ -411,8 +424,34 @@ class Worker:
         if dead is not None:
             fut.set_exception(dead)
             return fut
+        self._dispatch(fut, Kind.CONTROL if control else Kind.TASK, payload)
+        return fut
+
+    def _new_task(self, run: Run | None, rank: int, fn: Callable[..., Any],
+                  args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None,
+                  control: bool, group: int) -> tuple[TaskFuture, bytes]:
+        if rank not in self._procs:
+            raise ValueError(f"rank {rank} is not a rank of this worker (ranks {self.ranks})")
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        payload = encode_task(fn, args, kwargs)
+        check_size(len(payload), self.max_message_bytes, f"task {name} for rank {rank}")
+        fut = TaskFuture(rank, next(self._ids), name, 0 if run is None else run.run_id,
+                         self.task_timeout if timeout is None else timeout, control, group,
+                         self._losses.check_hung)
+        return fut, payload
+
+    def _dispatch(self, fut: TaskFuture, kind: Kind, payload: bytes) -> None:
+        """Send an admitted task by its deadline; if it cannot go, fail it, finished."""
+        rank = fut.rank
         try:
-            self._send(rank, Kind.CONTROL if control else Kind.TASK, fut.task_id, payload)
+            self._send(rank, kind, fut.task_id, payload, fut.deadline)
+        except SendTimeoutError as err:
+            # The rank did not read its channel by the task's deadline (or was lost
+            # meanwhile): _send_timed_out applied the hung-rank rule already.
+            self._outstanding.pop(fut.task_id)
+            fut.set_exception(self._outstanding.lost(rank) or TaskTimeoutError(
+                f"task {fut.name} (id {fut.task_id}) could not be sent to rank {rank} "
+                f"(pid {self._procs[rank].pid}) within its {fut.timeout:g}s deadline: {err}"))
         except OSError as err:
             # The rank is gone. Its EOF handler may have failed the task already, or may
             # never run (close() unregisters stopped ranks): fail it here either way.
@@ -421,12 +460,24 @@ class Worker:
             fut.set_exception(cause or RankDiedError(
                 f"rank {rank} (pid {self._procs[rank].pid}): its control channel is closed "
                 f"({err.strerror}); the rank is gone", rank, None, self._procs[rank].pid))
-        return fut
 
-    def _send(self, rank: int, kind: Kind, msg_id: int, payload: bytes) -> None:
-        frame = encode(kind, msg_id, payload)
-        with self._send_locks[rank]:
-            self._procs[rank].sock.sendall(frame)
+    def _send(self, rank: int, kind: Kind, msg_id: int, payload: bytes,
+              deadline: float) -> None:
+        """Send one frame by ``deadline`` (SendTimeoutError if not; never unbounded)."""
+        self._sender.send(rank, encode(kind, msg_id, payload), deadline)
+
+    def _send_timed_out(self, err: SendTimeoutError) -> None:
+        """A send to a rank gave up: a stopped rank is hung (the rule's deadline passed);
+        a frame that went out in part leaves a channel nothing can use again, so the rank
+        is killed (its death is then handled as any other)."""
+        proc = self._procs[err.rank]
+        signo = proc.stop_signal()
+        if signo is not None:
+            self._losses.lost(err.rank, stop_signal=signo)
+        if err.sent:
+            log.error("rank %d (pid %d): %s; its control channel is torn: killing it",
+                      err.rank, proc.pid, err)
+            proc.kill()
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -562,11 +613,11 @@ class Worker:
         shutdown(list(self._procs.values()), self._ready, self._send_shutdown, self._close_left)
         self._reap([p.rank for p in self._procs.values()])
         for p in self._procs.values():
-            self._hub.remove(p.sock, p.proc.stderr)
+            self._hub.remove(p.sock, p.proc.stderr, pidfd=p.pidfd)
             p.close_fds()
 
     def _send_shutdown(self, rank: int) -> None:
-        self._send(rank, Kind.SHUTDOWN, 0, b"")
+        self._send(rank, Kind.SHUTDOWN, 0, b"", time.monotonic() + self._close_left())
 
     def _join_runs(self) -> None:
         stuck = []
@@ -580,8 +631,22 @@ class Worker:
     def __enter__(self) -> Worker:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self.close()
+        except CleanupError as failed:
+            # The with block's own error comes up beside close()'s, never hidden in the
+            # CleanupError's __context__.
+            if exc is None:
+                raise
+            if not isinstance(exc, Exception):  # an interrupt stays an interrupt
+                exc.add_note(f"and closing worker {self.generation} failed: {failed}: "
+                             + "; ".join(repr(e) for e in failed.exceptions))
+                return
+            raise CleanupError(
+                f"worker {self.generation}: the with block failed ({exc!r}) and closing the "
+                f"worker failed too; those steps stay owed", [exc, *failed.exceptions]) from None
 
     def __repr__(self) -> str:
         return f"<Worker {self.generation} ranks={len(self.ranks)} {self._state.value}>"
