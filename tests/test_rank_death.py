@@ -463,3 +463,57 @@ def test_a_large_task_for_a_stopped_rank_fails_by_its_deadline_not_never(
             runner.join(5)
     assert closed_in < CLOSE_TIMEOUT_S
     assert wait_settled(before) == {}
+
+
+def _fork_then_barrier(d: DomainView, marker_dir: str) -> None:
+    if phalanx.current_rank() == 1:
+        _fork_then_block(marker_dir)
+    _enter(marker_dir)
+    d.barrier(timeout=300)
+
+
+def test_without_pidfd_a_survivors_symptom_does_not_hide_the_death(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R2 (fixed by 38acf6d), on the fallback path without a pidfd: rank 1's EOF is
+    delayed by its forked child, so rank 0's failed barrier (the symptom) reaches the
+    parent first; the run still fails with rank 1's RankDiedError, not the
+    CollectiveError, because a failed result looks for a rank on its way out first."""
+    from phalanx.runtime import rank_process
+
+    monkeypatch.setattr(rank_process, "_open_pidfd", lambda pid: None)
+    before = Snapshot.take()
+    w = phalanx.Worker(ranks=2, domain_timeout=300, close_timeout=CLOSE_TIMEOUT_S)
+    child = 0
+    try:
+        pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
+        outcome: list[BaseException | None] = []
+
+        def orch(o: phalanx.Orchestrator) -> None:
+            d = o.allocate_domain("blame", [0, 1], window_size=4096)
+            opts = o.options(timeout=60)
+            for f in [opts.submit(r, _fork_then_barrier, d, str(tmp_path)) for r in o.ranks]:
+                f.result()
+
+        def drive() -> None:
+            try:
+                w.run(orch)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001  inspected below
+                outcome.append(exc)
+
+        runner = threading.Thread(target=drive)
+        runner.start()
+        _wait_for(lambda: (tmp_path / "child").exists() and
+                  len(list(tmp_path.glob("in-*"))) == 2, 60, "both ranks busy, child forked")
+        child = int((tmp_path / "child").read_text())
+        os.kill(pids[1], signal.SIGKILL)
+        runner.join(FAIL_BOUND_S)
+        assert not runner.is_alive(), "the run waited for the survivor's deadline"
+        err = outcome[0]
+        assert isinstance(err, RankDiedError) and err.rank == 1, repr(err)
+        assert f"rank 1 (pid {pids[1]}) was killed by SIGKILL" in str(err)
+    finally:
+        if child:
+            os.kill(child, signal.SIGKILL)
+        w.close()
+    assert wait_settled(before) == {}
