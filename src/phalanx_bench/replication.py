@@ -87,10 +87,20 @@ class StagedRows:
         pass  # the benchmark loads nothing
 
 
-def _open(w: Worker, directory: str, geometry: Geometry, window: int,
+@dataclass(frozen=True)
+class Links:
+    """The links' flow control: ops in flight per peer, and how many of them only the
+    request lane may take (None: the cache's default, window // 4)."""
+
+    window: int
+    reserve: int | None
+
+
+def _open(w: Worker, directory: str, geometry: Geometry, links: Links,
           max_age: float | None) -> ReplicatedCache:
     return ReplicatedCache.open(w, directory, geometry=geometry, fingerprint=FINGERPRINT,
-                                capacity_bytes=1 << 40, max_age=max_age, window=window,
+                                capacity_bytes=1 << 40, max_age=max_age,
+                                window=links.window, reserve=links.reserve,
                                 kv_source_factory=StagedRows)
 
 
@@ -238,14 +248,14 @@ def _latency_and_raw(lane: dict[str, Any], lat: list[float], raw: float) -> None
                  "of_raw": round(lane["jobs_per_s"] / raw, 3)})
 
 
-def _small(w: Worker, tmp: str, records: int, window: int, ranks: int) -> dict[str, Any]:
+def _small(w: Worker, tmp: str, records: int, links: Links, ranks: int) -> dict[str, Any]:
     d = f"{tmp}/small"
-    rc = _open(w, d, SMALL, window, None)
+    rc = _open(w, d, SMALL, links, None)
     rc.synth(records, "tree")
     rc.close()  # raises CleanupError naming every rank that failed
     copies = [_copy_rank0(d, ranks, f"{tmp}/small-local-{i}") for i in range(2)]
     local = [_local_maintain(copies[0])]
-    rc = _open(w, d, SMALL, window, 1e-3)
+    rc = _open(w, d, SMALL, links, 1e-3)
     try:
         os.sync()  # untimed, as before every local baseline
         cpu = _cpu_now(w)
@@ -257,16 +267,16 @@ def _small(w: Worker, tmp: str, records: int, window: int, ranks: int) -> dict[s
         rc.close()  # raises CleanupError naming every rank that failed
     _same_jobs(jobs, local)
     out = _lane(run, local)
-    _latency_and_raw(out, lat, raw_jobs_per_s(SMALL_FRAME, window, 100_000))
+    _latency_and_raw(out, lat, raw_jobs_per_s(SMALL_FRAME, links.window, 100_000))
     return out
 
 
-def _stores(w: Worker, tmp: str, stores: int, window: int,
+def _stores(w: Worker, tmp: str, stores: int, links: Links,
             concurrency: int) -> dict[str, Any]:
     pt = BIG.page_tokens
     tokens = [np.arange(ROW_PAGES * pt) + 10**7 * (i + 1) for i in range(stores + 20)]
     local = [_local_stores(f"{tmp}/big-local-0", tokens[:stores])]
-    rc = _open(w, f"{tmp}/big", BIG, window, None)
+    rc = _open(w, f"{tmp}/big", BIG, links, None)
     try:
         lat = _timed_stores(rc, tokens[stores:])
         os.sync()  # untimed, as before every local baseline
@@ -281,7 +291,7 @@ def _stores(w: Worker, tmp: str, stores: int, window: int,
     finally:
         rc.close()  # raises CleanupError naming every rank that failed
     out = _lane(run, local)
-    _latency_and_raw(out, lat, raw_jobs_per_s(1 << 20, window, 500))
+    _latency_and_raw(out, lat, raw_jobs_per_s(1 << 20, links.window, 500))
     out["row_bytes"] = ROW_PAGES * BIG.page_bytes
     out["concurrency"] = concurrency
     return out
@@ -296,10 +306,10 @@ def _on_every_rank(w: Worker, fn: Callable[[], Any]) -> dict[int, Any]:
     return out
 
 
-def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: int,
+def _burst(w: Worker, tmp: str, burst: int, links: Links, ranks: int, requests: int,
            interval: float) -> dict[str, Any]:
     d = f"{tmp}/burst"
-    rc = _open(w, d, SMALL, window, None)
+    rc = _open(w, d, SMALL, links, None)
     t0 = time.perf_counter()
     rc.synth(burst, "tree")
     synth_s = time.perf_counter() - t0
@@ -307,7 +317,7 @@ def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: i
     copies = [_copy_rank0(d, ranks, f"{tmp}/burst-local-{i}") for i in range(2)]
     local = [_local_maintain(copies[0])]
     t0 = time.perf_counter()
-    rc = _open(w, d, SMALL, window, 1e-3)
+    rc = _open(w, d, SMALL, links, 1e-3)
     open_s = time.perf_counter() - t0
     pt = SMALL.page_tokens
     fresh = iter(range(10**9))  # store requests: new single-page records, 2 pages deep
@@ -368,19 +378,24 @@ def _burst(w: Worker, tmp: str, burst: int, window: int, ranks: int, requests: i
 @click.option("--request-interval-ms", "interval_ms", type=click.FloatRange(0), default=20.0,
               show_default=True, help="time between store requests, idle and in the burst")
 @click.option("--window", type=int, default=64, show_default=True)
+@click.option("--reserve", type=int, default=None,
+              help="credits only requests may take (default: the cache's, window // 4)")
 @click.option("--rank-scheduler", type=click.Choice(["batch", "other"]), default="batch",
               show_default=True, help="the ranks' CPU scheduling policy (Worker's option)")
 @click.option("--json", "as_json", is_flag=True)
 def command(peers: int, records: int, stores: int, concurrency: int, burst: int,
-            requests: int, interval_ms: float, window: int, rank_scheduler: str,
+            requests: int, interval_ms: float, window: int, reserve: int | None,
+            rank_scheduler: str,
             as_json: bool) -> None:
     """Replication vs one local store and raw TCP; requests and memory in a burst."""
     ranks = peers + 1
     out: dict[str, Any] = {"ranks": ranks, "cpus": os.cpu_count(),
-                           "rank_scheduler": rank_scheduler}
+                           "rank_scheduler": rank_scheduler, "window": window,
+                           "reserve": reserve}
+    links = Links(window, reserve)
     with (tempfile.TemporaryDirectory() as tmp,
           Worker(ranks=ranks, rank_scheduler=rank_scheduler) as w):
-        out["small"] = _small(w, tmp, records, window, ranks)
-        out["store_1mib"] = _stores(w, tmp, stores, window, concurrency)
-        out.update(_burst(w, tmp, burst, window, ranks, requests, interval_ms / 1e3))
+        out["small"] = _small(w, tmp, records, links, ranks)
+        out["store_1mib"] = _stores(w, tmp, stores, links, concurrency)
+        out.update(_burst(w, tmp, burst, links, ranks, requests, interval_ms / 1e3))
     emit(out, as_json)
