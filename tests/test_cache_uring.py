@@ -89,7 +89,7 @@ def test_a_read_past_its_deadline_is_cancelled_and_the_ring_goes_on(ring: Ring) 
         os.close(w)
     ring.close()
     ring.close()  # idempotent
-    with pytest.raises(RuntimeError, match="after close"):
+    with pytest.raises(StoreClosedError, match="after close"):
         ring.read(np.array([0], dtype=np.int32), np.zeros(1, dtype=np.int64),
                   np.array([_addr(out)], dtype=np.uint64), np.array([1], dtype=np.int64), 1.0)
 

@@ -44,11 +44,7 @@ LEVEL = {
 }
 
 # Violations that exist today, each removed by the engineer named (issue 13).
-ALLOWED: dict[str, str] = {
-    # serve engineer: engine errors come from phalanx.errors (public), not engine._errors.
-    "phalanx.serve.cli.model -> phalanx.engine._errors (private)":
-        "serve engineer (issue 13 item 7: import from phalanx.errors)",
-}
+ALLOWED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

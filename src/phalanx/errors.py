@@ -52,6 +52,7 @@ cross a process boundary keep their type and fields (rank, point, missing ranks)
     │   │   └── DiskFullError             ... because the disk is full (ENOSPC)
     │   ├── RecordCorruptError            a record failed its checksum while being loaded
     │   ├── NotCachedError                load() asked for pages that are not cached (KeyError)
+    │   ├── LoadTimeoutError              a load's reads did not finish by its deadline
     │   └── ReplicationError              (replication: rank 0 decides, peers mirror)
     │       ├── LinkAuthError             a job-token proof did not match
     │       ├── LinkProtocolError         a frame of another version, type or size arrived
@@ -96,6 +97,7 @@ from phalanx.kvstore._errors import (
     DiskFullError,
     ForeignStoreError,
     GeometryMismatchError,
+    LoadTimeoutError,
     NotCachedError,
     RecordCorruptError,
     RowSpanError,
@@ -175,6 +177,7 @@ __all__ = [
     "LinkClosedError",
     "LinkProtocolError",
     "LinkStalledError",
+    "LoadTimeoutError",
     "MessageTooLargeError",
     "ModelConfigError",
     "NotCachedError",

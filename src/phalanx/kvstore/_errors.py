@@ -15,6 +15,7 @@ and what the caller can do about it.
         │   └── DiskFullError           ... because the disk is full (ENOSPC)
         ├── RecordCorruptError        a record failed its checksum while being loaded
         ├── NotCachedError            load() asked for pages that are not cached (KeyError)
+        ├── LoadTimeoutError          a load's reads did not finish by its deadline (TimeoutError)
         └── ReplicationError          (phalanx.replication) rank 0 and its peers disagree
 """
 
@@ -28,6 +29,7 @@ __all__ = [
     "DiskFullError",
     "ForeignStoreError",
     "GeometryMismatchError",
+    "LoadTimeoutError",
     "NotCachedError",
     "RecordCorruptError",
     "RowSpanError",
@@ -82,3 +84,8 @@ class NotCachedError(CacheError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class LoadTimeoutError(CacheError, TimeoutError):
+    """A load's reads did not finish within its deadline; the rest were cancelled and no
+    read is still in flight into the caller's memory."""

@@ -65,6 +65,7 @@ import numpy.typing as npt
 
 from phalanx.lifecycle.failpoints import Failpoint
 
+from ._errors import LoadTimeoutError, StoreClosedError
 from .buffers import wait_all
 
 __all__ = ["RING_MAX_PIECE", "SQE_MAX_BYTES", "Ring", "Rings", "unsupported_reason"]
@@ -253,7 +254,8 @@ class Ring:
         and holds ``lock``. Raises TimeoutError past ``deadline_s`` (after every read
         finished or was cancelled)."""
         if not self.usable:
-            raise RuntimeError("io_uring used after close() or a failed io_uring_enter")
+            raise StoreClosedError("io_uring ring used after close() or a failed "
+                                   "io_uring_enter; the store reads with threads instead")
         # split large reads into entries of at most SQE_MAX_BYTES
         count = np.maximum(1, -(-lengths // SQE_MAX_BYTES))
         piece = np.repeat(np.arange(len(fds)), count)
@@ -294,8 +296,8 @@ class Ring:
             self._settle(flight, res)
             raise
         if flight.cancelled:
-            raise TimeoutError(f"io_uring: {n} reads did not finish within the load's "
-                               "deadline; the rest were cancelled")
+            raise LoadTimeoutError(f"io_uring: {n} reads did not finish within the load's "
+                                   "deadline; the rest were cancelled")
 
     def _wait(self, flight: _Flight, res: npt.NDArray[np.int64], end: float) -> None:
         """Submit and reap until every read completed; past ``end``, cancel the rest

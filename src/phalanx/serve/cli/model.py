@@ -40,8 +40,8 @@ def init(directory: str, layers: int, hidden: int, heads: int, kv_heads: int,
          intermediate: int | None, vocab: int, arch: str, dtype: str, seed: int,
          max_position: int, tie: bool, name: str) -> None:
     """Write a deterministic model (same flags, same bytes) into DIRECTORY (new)."""
-    from phalanx.engine._errors import ModelConfigError
     from phalanx.engine.default_model import ModelSpec, write_model
+    from phalanx.errors import ModelConfigError
 
     if intermediate is None:
         intermediate = (_D["intermediate"] if hidden == _D["hidden"]
