@@ -25,10 +25,13 @@ Servers, one at a time, each bound to 127.0.0.1 on a free port, every one stoppe
    (missing ``fastapi``/``accelerate``: ``pip install 'transformers[serving]'``), the
    JSON's ``transformers.error`` says why and the rest still runs.
 
-Prompts are text (``transformers serve``'s completions take no token ids): seeded
-token ids of the model's own tokenizer, decoded, so each is about ``--prompt-tokens``
-tokens long (``prompt_tokens`` reports what the server counted). Greedy, EOS ignored
-where the server honours ``ignore_eos`` (phalanx does; transformers ignores the field).
+Each single-prompt request waits ``--settle-s`` first (every server alike), so a
+request's TTFT does not pay the previous one's background disk writes (``0`` measures
+them back to back). Prompts are text (``transformers serve``'s completions take no
+token ids): seeded token ids of the model's own tokenizer, decoded, so each is about
+``--prompt-tokens`` tokens long (``prompt_tokens`` reports what the server counted).
+Greedy, EOS ignored where the server honours ``ignore_eos`` (phalanx does; transformers
+ignores the field).
 TTFT is the first chunk carrying text; ITL the gaps between text chunks.
 """
 
@@ -245,8 +248,13 @@ def _client(n: int) -> Any:
                                             max_keepalive_connections=n + 4))
 
 
+# seconds of idle before each single-prompt request (--settle-s), on every server alike
+SETTLE_S = [0.0]
+
+
 def one_prompt(url: str, model_name: str, prompt: str, max_tokens: int,
                extra: dict[str, Any]) -> Timing:
+    time.sleep(SETTLE_S[0])
     with _client(1) as c:
         return stream(c, url, "/v1/completions", {"model": model_name, "prompt": prompt,
                                                   "max_tokens": max_tokens, **extra})
@@ -467,6 +475,9 @@ def _shape(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
 @click.option("--transformers-mode", type=click.Choice(["continuous", "static"]),
               default="continuous", show_default=True)
 @click.option("--no-transformers", is_flag=True, help="phalanx only")
+@click.option("--settle-s", default=1.0, show_default=True,
+              help="idle seconds before each single-prompt request (the previous one's "
+                   "background disk writes end first), on every server")
 @click.option("--logs", default=None, type=click.Path(file_okay=False),
               help="keep the servers' logs here [default: a temporary directory]")
 @click.option("--seed", default=0, show_default=True)
@@ -476,13 +487,14 @@ def _shape(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
 def command(model_dir: str | None, tp: int, prompt_tokens: int, reps: int, max_tokens: int,
             clients: int,
             systems: int, system_tokens: int, transformers_mode: str, no_transformers: bool,
-            logs: str | None, seed: int, quick: bool, as_json: bool) -> None:
+            settle_s: float, logs: str | None, seed: int, quick: bool, as_json: bool) -> None:
     """phalanx serve beside transformers serve: TTFT (miss, memory hit, disk hit after a
     restart), ITL and throughput of concurrent clients with shared system prompts."""
     if quick:
         prompt_tokens, max_tokens, clients, systems, system_tokens = 256, 8, 4, 2, 64
         reps = 1
     model = Path(model_dir) if model_dir else default_model_dir()
+    SETTLE_S[0] = 0.0 if quick else settle_s
     with tempfile.TemporaryDirectory(prefix="phx-bench-serve-logs-") as tmp_logs:
         where = Path(logs) if logs else Path(tmp_logs)
         where.mkdir(parents=True, exist_ok=True)
@@ -490,7 +502,7 @@ def command(model_dir: str | None, tp: int, prompt_tokens: int, reps: int, max_t
                   seed, transformers_mode, not no_transformers, where)
     result = _shape(raw, prompt_tokens)
     result["setup"] = {"model": str(model), "tp": tp, "prompt_tokens": prompt_tokens,
-                       "reps": reps,
+                       "reps": reps, "settle_s": SETTLE_S[0],
                        "max_tokens": max_tokens, "clients": clients,
                        "system_prompts": systems, "system_tokens": system_tokens,
                        "cores": len(os.sched_getaffinity(0)),
