@@ -31,6 +31,7 @@ from typing import Any
 
 from phalanx.lifecycle import CleanupError, CleanupJournal, ResourceUncertainError
 from phalanx.lifecycle.failpoints import Failpoint
+from phalanx.lifecycle.journal import close_on_exit
 
 from .buffers import MAP_MIN, ParallelReader
 from .core import StoreCore, StoreState
@@ -290,20 +291,9 @@ class DiskStore:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        try:
-            self.close()
-        except CleanupError as failed:
-            # the block's own error comes up beside the close's, never hidden in the
-            # CleanupError's __context__ (test_an_error_in_a_with_block_comes_up_beside_...)
-            if exc is None:
-                raise
-            if not isinstance(exc, Exception):  # an interrupt stays an interrupt
-                exc.add_note(f"and closing the store failed: {failed}")
-                return
-            raise CleanupError(
-                f"cache store {self.directory}: the with block failed ({exc!r}) and closing "
-                f"the store failed too; those steps stay owed",
-                [exc, *failed.exceptions]) from None
+        # the block's own error comes up beside the close's, never in its __context__
+        # (test_an_error_in_a_with_block_comes_up_beside_a_failing_close)
+        close_on_exit(self.close, exc, f"cache store {self.directory}")
 
     # -- store / lookup / load ---------------------------------------------------------
     def chain(self, tokens: Tokens) -> KeyChain:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ._errors import CleanupError
 
-__all__ = ["CleanupJournal", "JournalEntry"]
+__all__ = ["CleanupJournal", "JournalEntry", "close_on_exit"]
 
 log = logging.getLogger("phalanx.lifecycle")
 
@@ -95,3 +95,24 @@ class CleanupJournal:
                     f"owed and the next close() retries them",
                     errors,
                 )
+
+
+def close_on_exit(close: Callable[[], None], exc: BaseException | None, what: str) -> None:
+    """An owner's ``__exit__``: ``close()``, with the with block's own error ``exc`` kept.
+
+    If closing fails too, both come up in one CleanupError (never the block's error
+    hidden in the CleanupError's ``__context__``); an interrupt (not an Exception) stays
+    the interrupt, with a note naming the close's failures. ``what`` names the owner
+    ("worker 1a2b", "cache store /d").
+    """
+    try:
+        close()
+    except CleanupError as failed:
+        if exc is None:
+            raise
+        if not isinstance(exc, Exception):
+            exc.add_note(f"and closing {what} failed: {failed}: "
+                         + "; ".join(repr(e) for e in failed.exceptions))
+            return
+        raise CleanupError(f"{what}: the with block failed ({exc!r}) and closing it failed "
+                           f"too; those steps stay owed", [exc, *failed.exceptions]) from None

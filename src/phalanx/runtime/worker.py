@@ -30,6 +30,7 @@ from typing import Any
 
 from phalanx.lifecycle import CleanupError, CleanupJournal, failpoints
 from phalanx.lifecycle.failpoints import Failpoint
+from phalanx.lifecycle.journal import close_on_exit
 from phalanx.rendezvous import (
     BACKENDS,
     Generation,
@@ -633,20 +634,8 @@ class Worker:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        try:
-            self.close()
-        except CleanupError as failed:
-            # The with block's own error comes up beside close()'s, never hidden in the
-            # CleanupError's __context__.
-            if exc is None:
-                raise
-            if not isinstance(exc, Exception):  # an interrupt stays an interrupt
-                exc.add_note(f"and closing worker {self.generation} failed: {failed}: "
-                             + "; ".join(repr(e) for e in failed.exceptions))
-                return
-            raise CleanupError(
-                f"worker {self.generation}: the with block failed ({exc!r}) and closing the "
-                f"worker failed too; those steps stay owed", [exc, *failed.exceptions]) from None
+        # the with block's own error comes up beside close()'s, never in its __context__
+        close_on_exit(self.close, exc, f"worker {self.generation}")
 
     def __repr__(self) -> str:
         return f"<Worker {self.generation} ranks={len(self.ranks)} {self._state.value}>"
