@@ -136,18 +136,12 @@ class Server:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 120.0) -> int:
         """Signal the server and wait for it (and its ranks) to exit; its exit status."""
-        self._close_clients()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(30)
-            self._reap()
+        return self.wait_exit(timeout)
 
     def wait_exit(self, timeout: float) -> int:
+        """Wait for the server to exit by itself (killed past ``timeout``); its status."""
         self._close_clients()
         try:
             return self.proc.wait(timeout)

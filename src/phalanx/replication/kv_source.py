@@ -17,7 +17,7 @@ import numpy as np
 
 from phalanx.kvstore.geometry import Geometry
 
-__all__ = ["KVSource", "KVSourceFactory", "StagedSource", "SyntheticSource"]
+__all__ = ["KVSource", "KVSourceFactory", "SyntheticSource"]
 
 
 class KVSource(Protocol):
@@ -63,24 +63,3 @@ class SyntheticSource:
         self.loads += 1
         if zlib.crc32(data) != zlib.crc32(memoryview(self.row(keys, 0)).cast("B")):
             self.bad_loads += 1
-
-
-class StagedSource:
-    """A staging buffer that already holds the bytes, as an engine's does: ``row`` is a
-    view of one preallocated per-rank buffer (every byte = the rank), no per-call
-    generation. What the benchmark uses to time replication, not a PRNG."""
-
-    def __init__(self, geometry: Geometry, rank: int) -> None:
-        self.page_bytes = geometry.page_bytes
-        self.rank = rank
-        self.loads = 0
-        self._buf = np.full(0, rank & 0xFF, dtype=np.uint8)
-
-    def row(self, keys: list[bytes], start: int) -> Any:
-        n = (len(keys) - start) * self.page_bytes
-        if self._buf.size < n:
-            self._buf = np.full(n, self.rank & 0xFF, dtype=np.uint8)
-        return self._buf[:n]
-
-    def loaded(self, keys: list[bytes], data: memoryview) -> None:
-        self.loads += 1
