@@ -3,22 +3,26 @@ model directory, in the same run, driven by one streaming client that reports vL
 serving metrics (TTFT, inter-token latency p50/p99, request and output-token
 throughput).
 
-Servers, one at a time, each bound to 127.0.0.1 on a free port, every one stopped
-(SIGTERM, then SIGKILL of its process group after a deadline) and reaped in a
-``finally``, whatever fails:
+Servers (step 1's two at once, the rest one at a time), each bound to 127.0.0.1 on a
+free port, every one stopped (SIGTERM, then SIGKILL of its process group after a
+deadline) and reaped in a ``finally``, whatever fails:
 
-1. phalanx with its disk tier on a fresh directory (cache enabled, cold): one request
-   to warm it; (a) ``--reps`` completion prompts of ``--prompt-tokens`` each: ``miss``,
-   then each again, ``memory_hit`` (medians over the reps); (b) ``--clients``
-   concurrent chat clients whose system prompts are shared (``--system-prompts`` of
-   ``--system-tokens`` each, a distinct user turn per client): ``throughput_tps.cache``.
-2. phalanx restarted on the same directory: ``disk_hit``, per rep a prompt whose first
-   95% is that rep's first prompt's (``cached_tokens`` from ``usage.prompt_tokens_details``).
-3. phalanx with ``--no-prefix-cache-disk`` (serve has no switch for the memory tier,
-   which is always on): the same miss and the same clients: ``ttft_ms_miss_no_cache``
-   and ``throughput_tps.no_cache``. ``miss_overhead`` = cold cache-enabled miss TTFT /
-   disabled miss TTFT - 1 (``throughput_overhead``: 1 - cache / no_cache throughput).
-4. ``transformers serve MODEL --continuous-batching --device cpu`` (its paged,
+1. Two phalanx servers at once, one with its disk tier on a fresh directory (cache
+   enabled, cold), one with ``--no-prefix-cache-disk`` (serve has no switch for the
+   memory tier, which is always on); one request warms each. (a) ``--pairs``
+   completion prompts of ``--prompt-tokens`` each, every prompt cold on both servers
+   back to back, in ABBA order: ``miss`` and the disk-off miss; ``miss_overhead`` =
+   the median of the per-prompt ratios cache-enabled / disk-off TTFT, minus 1 (two
+   servers minutes apart differ by more than the 5% this is to resolve on a shared
+   machine; a pair is seconds apart). Then the first ``--reps`` again on the cache
+   server: ``memory_hit``. (b) ``--clients`` concurrent chat clients whose system
+   prompts are shared (``--system-prompts`` of ``--system-tokens`` each, a distinct
+   user turn per client), on the cache server, then other clients on the disk-off one:
+   ``throughput_tps.cache`` / ``.no_cache`` (``throughput_overhead``: 1 - their ratio).
+2. phalanx restarted on the cache server's directory: ``disk_hit``, per rep a prompt
+   whose first 95% is that rep's first prompt's (``cached_tokens`` from
+   ``usage.prompt_tokens_details``).
+3. ``transformers serve MODEL --continuous-batching --device cpu`` (its paged,
    continuous-batching path, which runs on CPU in transformers 5; ``--transformers-mode
    static`` runs it without): a warm-up request (its first one compiles and captures
    for seconds), then the same miss and the same clients. Where it cannot start
@@ -348,40 +352,59 @@ def _served_name(url: str) -> str:
     return str(models[0]["id"])
 
 
-def run(model: Path, tp: int, prompt_tokens: int, reps: int, max_tokens: int, clients: int,
-        systems: int, system_tokens: int, seed: int, transformers_mode: str,
+def paired_misses(cache_url: str, nocache_url: str, name: str, prompts: list[str],
+                  max_tokens: int) -> tuple[list[Timing], list[Timing]]:
+    """Each prompt cold on both servers, in ABBA order (cache first, then disk tier off
+    first, ...), so a drift of the machine's load over the run falls on both alike."""
+    cache: list[Timing] = []
+    nocache: list[Timing] = []
+    for i, q in enumerate(prompts):
+        order = [(cache_url, cache), (nocache_url, nocache)]
+        if i % 2:
+            order.reverse()
+        for url, into in order:
+            into.append(one_prompt(url, name, q, max_tokens, PHALANX_EXTRA))
+    return cache, nocache
+
+
+def run(model: Path, tp: int, prompt_tokens: int, reps: int, pairs: int, max_tokens: int,
+        clients: int, systems: int, system_tokens: int, seed: int, transformers_mode: str,
         with_transformers: bool, logs: Path) -> dict[str, Any]:
     p = Prompts(model)
     shared = round(prompt_tokens * 0.95)
-    firsts = [p.ids(seed + 10 * i, prompt_tokens) for i in range(reps)]
+    firsts = [p.ids(seed + 10 * i, prompt_tokens) for i in range(max(reps, pairs))]
     prompts = [p.text(f) for f in firsts]
     prompts95 = [p.text(f[:shared] + p.ids(seed + 10 * i + 1, prompt_tokens - shared))
-                 for i, f in enumerate(firsts)]
+                 for i, f in enumerate(firsts[:reps])]
     warm = p.text(p.ids(seed + 7, 64))
     chats = _chats(p, clients, systems, system_tokens, seed)
     chats_nc = _chats(p, clients, systems, system_tokens, seed + 50)   # cold for that one too
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="phx-bench-serve-") as tmp, servers() as started:
         disk = Path(tmp) / "disk"
+        # both phalanx servers up at once (an idle one costs no core), so the cold misses
+        # that give miss_overhead alternate between them instead of comparing two
+        # servers minutes apart on a machine whose load drifts more than 5%
         s = start_phalanx(started, model, tp, disk, logs / "phalanx-cache.log", [])
+        nc = start_phalanx(started, model, tp, None, logs / "phalanx-nocache.log", [])
         name = _served_name(s.url)
         one_prompt(s.url, name, warm, 4, PHALANX_EXTRA)
-        miss = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA) for q in prompts]
-        mem = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA) for q in prompts]
+        one_prompt(nc.url, name, warm, 4, PHALANX_EXTRA)
+        miss, miss_nc = paired_misses(s.url, nc.url, name, prompts, max_tokens)
+        mem = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA) for q in prompts[:reps]]
         burst = concurrent_clients(s.url, name, chats, max_tokens, PHALANX_EXTRA)
+        burst_nc = concurrent_clients(nc.url, name, chats_nc, max_tokens, PHALANX_EXTRA)
+        stop(started, nc)
         stop(started, s)
         s = start_phalanx(started, model, tp, disk, logs / "phalanx-restart.log", [])
         one_prompt(s.url, name, warm + " restart", 4, PHALANX_EXTRA)
         disk_hit = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA) for q in prompts95]
         stop(started, s)
-        s = start_phalanx(started, model, tp, None, logs / "phalanx-nocache.log", [])
-        one_prompt(s.url, name, warm, 4, PHALANX_EXTRA)
-        miss_nc = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA) for q in prompts]
-        burst_nc = concurrent_clients(s.url, name, chats_nc, max_tokens, PHALANX_EXTRA)
-        stop(started, s)
+        ratios = [a.ttft / b.ttft for a, b in zip(miss, miss_nc, strict=True)]
         out["phalanx"] = {"miss": single(miss), "memory_hit": single(mem),
                           "disk_hit": single(disk_hit), "clients": burst,
-                          "no_cache": {"miss": single(miss_nc), "clients": burst_nc}}
+                          "no_cache": {"miss": single(miss_nc), "clients": burst_nc},
+                          "miss_pair_ratios": [round(r, 3) for r in ratios]}
         if not all(t.cached_tokens for t in disk_hit):
             raise BenchError("the disk hit after the restart reported no cached tokens")
         if with_transformers:
@@ -396,7 +419,7 @@ def run(model: Path, tp: int, prompt_tokens: int, reps: int, max_tokens: int, cl
                 t0 = time.perf_counter()
                 one_prompt(t.url, tname, warm, 4, {})
                 warm_s = time.perf_counter() - t0
-                tmiss = [one_prompt(t.url, tname, q, max_tokens, {}) for q in prompts]
+                tmiss = [one_prompt(t.url, tname, q, max_tokens, {}) for q in prompts[:reps]]
                 tburst = concurrent_clients(t.url, tname, chats, max_tokens, {})
                 stop(started, t)
                 out["transformers"] = {"mode": transformers_mode, "warmup_s": round(warm_s, 1),
@@ -418,7 +441,7 @@ def _why_transformers(message: str) -> str:
 def _shape(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
     ph = raw["phalanx"]
     tr = raw["transformers"]
-    miss, nc = ph["miss"]["ttft_ms"], ph["no_cache"]["miss"]["ttft_ms"]
+    miss = ph["miss"]["ttft_ms"]
     tput, tput_nc = (ph["clients"]["output_throughput_tps"],
                      ph["no_cache"]["clients"]["output_throughput_tps"])
     result: dict[str, Any] = {
@@ -426,7 +449,8 @@ def _shape(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
                     "disk_hit": ph["disk_hit"]["ttft_ms"]},
         "itl_ms_p50": ph["clients"]["itl_ms_p50"],
         "throughput_tps": {"cache": tput, "no_cache": tput_nc},
-        "miss_overhead": round(miss / nc - 1, 4),
+        # the median of the per-pair ratios: each pair ran the same prompt back to back
+        "miss_overhead": round(median(ph["miss_pair_ratios"]) - 1, 4),
         "throughput_overhead": round(1 - tput / tput_nc, 4),
         "disk_cached_fraction": round(ph["disk_hit"]["cached_tokens"]
                                       / max(1, ph["disk_hit"]["prompt_tokens"]), 4),
@@ -468,6 +492,9 @@ def _shape(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
 @click.option("--prompt-tokens", default=2048, show_default=True)
 @click.option("--reps", default=3, show_default=True,
               help="single-prompt cases: each this many times, a prompt of its own each")
+@click.option("--pairs", default=8, show_default=True,
+              help="cold misses for miss_overhead: this many prompts, each on the cache-"
+                   "enabled and the disk-off server in turn (ABBA order)")
 @click.option("--max-tokens", default=64, show_default=True, help="output tokens per request")
 @click.option("--clients", default=16, show_default=True)
 @click.option("--system-prompts", "systems", default=4, show_default=True)
@@ -484,7 +511,8 @@ def _shape(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
 @click.option("--quick", is_flag=True,
               help="tiny sizes (a smoke test): 256-token prompt, 4 clients, 8 tokens")
 @click.option("--json", "as_json", is_flag=True)
-def command(model_dir: str | None, tp: int, prompt_tokens: int, reps: int, max_tokens: int,
+def command(model_dir: str | None, tp: int, prompt_tokens: int, reps: int, pairs: int,
+            max_tokens: int,
             clients: int,
             systems: int, system_tokens: int, transformers_mode: str, no_transformers: bool,
             settle_s: float, logs: str | None, seed: int, quick: bool, as_json: bool) -> None:
@@ -492,17 +520,17 @@ def command(model_dir: str | None, tp: int, prompt_tokens: int, reps: int, max_t
     restart), ITL and throughput of concurrent clients with shared system prompts."""
     if quick:
         prompt_tokens, max_tokens, clients, systems, system_tokens = 256, 8, 4, 2, 64
-        reps = 1
+        reps, pairs = 1, 2
     model = Path(model_dir) if model_dir else default_model_dir()
     SETTLE_S[0] = 0.0 if quick else settle_s
     with tempfile.TemporaryDirectory(prefix="phx-bench-serve-logs-") as tmp_logs:
         where = Path(logs) if logs else Path(tmp_logs)
         where.mkdir(parents=True, exist_ok=True)
-        raw = run(model, tp, prompt_tokens, reps, max_tokens, clients, systems, system_tokens,
-                  seed, transformers_mode, not no_transformers, where)
+        raw = run(model, tp, prompt_tokens, reps, pairs, max_tokens, clients, systems,
+                  system_tokens, seed, transformers_mode, not no_transformers, where)
     result = _shape(raw, prompt_tokens)
     result["setup"] = {"model": str(model), "tp": tp, "prompt_tokens": prompt_tokens,
-                       "reps": reps, "settle_s": SETTLE_S[0],
+                       "reps": reps, "pairs": pairs, "settle_s": SETTLE_S[0],
                        "max_tokens": max_tokens, "clients": clients,
                        "system_prompts": systems, "system_tokens": system_tokens,
                        "cores": len(os.sched_getaffinity(0)),
