@@ -1,10 +1,14 @@
 """The disk tier behind the scheduler: a PrefixTier over the replicated persistent cache.
 
-Rank 0 decides (``phalanx.replication``): a lookup is rank 0's index, a load makes every
-rank read its own shard of the pages into its staging (``engine.staging``), from which
-the step plan's ``PageLoad`` moves them into KV pages. The load runs before the step
-that consumes it, so the pages are delivered, not merely pinned, once ``lookup``
-returns; ``unpin`` has nothing left to do.
+Rank 0 decides (``phalanx.replication``'s rank-side API): a lookup is one task on rank 0
+through the rank group's serving run (:func:`rank_lookup`: ``lookup_many`` pins what it
+reports in a :class:`~phalanx.replication.Lease`). The step that consumes the pages
+carries the leases (:class:`DiskLoads`) beside its plan; while executing the plan's
+``PageLoad`` each rank reads its own shard with ``load_many`` straight into the runner's
+buffer (``engine.staging``), then into its KV pages. Rank 0 releases the leases when
+the step ran (every rank loaded before the forward's collectives). A lookup the
+scheduler gives back (``unpin``: the request did not fit) is released with the next
+lookup.
 
 Stores run on one background thread, in the order their steps ran: a step's
 ``PageSave`` staged the pages on every rank, ``saved(chain)`` queues the chain, the
@@ -21,21 +25,77 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..kvstore import KeyChain
 from ..lifecycle import PhalanxError
+from ..replication import Lease
+from ._errors import EngineError
 
 if TYPE_CHECKING:
     from ..replication import ReplicatedCache
+    from .plan import StepPlan
+    from .ranks import RankGroup
 
-__all__ = ["DiskTier", "DiskTierStats"]
+__all__ = ["DiskLoad", "DiskLoads", "DiskTier", "DiskTierStats", "rank_lookup",
+           "release_leases"]
 
 log = logging.getLogger("phalanx.engine")
 
 _IDLE_POLL_S = 0.5          # how long the store thread waits before a maintenance burst
 _MAINTENANCE_JOBS = 64      # jobs per burst: a store waits behind one burst at most
+
+
+@dataclass(frozen=True)
+class DiskLoad:
+    """One prefix a step loads: ``keys`` is its chain from page 0; pages ``start:`` go
+    into the step's ``PageLoad`` of ``keys[start:]``."""
+
+    keys: list[bytes]
+    start: int
+    lease: Lease
+
+
+@dataclass(frozen=True)
+class DiskLoads:
+    """What a step's disk loads need on every rank (pickled with the step's tasks)."""
+
+    cache_id: str
+    page_tokens: int
+    fingerprint: bytes
+    loads: list[DiskLoad] = field(default_factory=list)
+
+    def leases(self) -> list[Lease]:
+        return [d.lease for d in self.loads]
+
+
+# -- rank 0's side (module-level: tasks ship them by reference) ---------------------------
+
+def rank_lookup(cache_id: str, keys: list[bytes], page_tokens: int, fingerprint: bytes,
+                start: int, releases: list[Lease]) -> tuple[int, Lease | None]:
+    """Rank 0: release ``releases``, then the pages of ``keys`` cached, pinned in a
+    lease when more than ``start`` (else nothing is held)."""
+    from ..replication import rank_cache
+
+    cache = rank_cache(cache_id)
+    for lease in releases:
+        cache.release(lease)
+    lease = cache.lookup_many([KeyChain(keys, page_tokens, fingerprint)])
+    n = lease.pages[0]
+    if n <= start:
+        cache.release(lease)
+        return 0, None
+    return n, lease
+
+
+def release_leases(cache_id: str, leases: list[Lease]) -> None:
+    """Rank 0: unpin what a step's loads held, once the step ran on every rank."""
+    from ..replication import rank_cache
+
+    cache = rank_cache(cache_id)
+    for lease in leases:
+        cache.release(lease)
 
 
 @dataclass
@@ -53,9 +113,13 @@ class DiskTierStats:
 class DiskTier:
     """See the module docstring. ``close()`` drains the queued stores (bounded)."""
 
-    def __init__(self, cache: ReplicatedCache, page_tokens: int, fingerprint: bytes,
-                 queue_limit: int = 256, maintenance: bool = True) -> None:
+    def __init__(self, cache: ReplicatedCache, group: RankGroup, page_tokens: int,
+                 fingerprint: bytes, queue_limit: int = 256, maintenance: bool = True) -> None:
         self.cache = cache
+        self.group = group
+        # looked up, not yet in a step: PageLoad keys -> its load (request path only)
+        self._held: dict[tuple[bytes, ...], DiskLoad] = {}
+        self._releases: list[Lease] = []  # given back by the scheduler: rank 0 unpins
         self.page_tokens = page_tokens
         self.fingerprint = fingerprint
         self.stats = DiskTierStats()
@@ -75,20 +139,40 @@ class DiskTier:
 
     def lookup(self, keys: Sequence[bytes], start: int) -> int:
         self.stats.lookups += 1
+        releases, self._releases = self._releases, []
         try:
-            n = self.cache.lookup(self._chain(keys))
-            if n <= start:
-                return 0
-            self.cache.load(self._chain(keys[:n]), n)
+            n, lease = self.group.on_rank0(rank_lookup, self.cache.cache_id, list(keys),
+                                           self.page_tokens, self.fingerprint, start,
+                                           releases)
         except PhalanxError as exc:
-            self._failed("load", exc)
+            self._failed("lookup", exc)
             self.stats.load_failures += 1
             return 0
+        if lease is None:
+            return 0
+        self._held[tuple(keys[start:n])] = DiskLoad(list(keys[:n]), start, lease)
         self.stats.pages_loaded += n - start
         return n - start
 
     def unpin(self, keys: Sequence[bytes]) -> None:
-        """Nothing: a lookup delivered its pages to every rank's staging already."""
+        """A lookup the scheduler did not use: rank 0 unpins it with the next lookup
+        (a lookup a step used was released by that step)."""
+        held = self._held.pop(tuple(keys), None)
+        if held is not None:
+            self._releases.append(held.lease)
+
+    def loads(self, plan: StepPlan) -> DiskLoads | None:
+        """The disk loads of ``plan`` (its ``PageLoad``s' leases), for every rank."""
+        if not plan.loads:
+            return None
+        picked = []
+        for load in plan.loads:
+            held = self._held.pop(tuple(load.keys), None)
+            if held is None:
+                raise EngineError(f"step {plan.step}: a PageLoad of {len(load.keys)} pages "
+                                  "that no disk tier lookup holds")
+            picked.append(held)
+        return DiskLoads(self.cache.cache_id, self.page_tokens, self.fingerprint, picked)
 
     def wants(self, keys: Sequence[bytes], start: int) -> list[bool]:
         return [True] * (len(keys) - start)

@@ -186,7 +186,8 @@ class Engine:
             capacity_bytes=self.config.prefix_cache_disk_bytes,
             max_age=self.config.prefix_cache_max_age,
             kv_source_factory=staging_source)
-        self.disk_tier = DiskTier(self.disk_cache, self.config.page_tokens, self.fingerprint)
+        self.disk_tier = DiskTier(self.disk_cache, self.group, self.config.page_tokens,
+                                  self.fingerprint)
         self.scheduler.tier = self.disk_tier
 
     def _default_pages(self, layers: int, kv_heads: int, heads: int, head_dim: int,
@@ -327,7 +328,9 @@ class Engine:
                     f"{self.scheduler.pool.num_free})")
             return outs
         try:
-            raw = self.group.execute(encode_plan(plan))
+            # the ranks read the step's disk pages themselves, under rank 0's leases
+            disk = self.disk_tier.loads(plan) if self.disk_tier is not None else None
+            raw = self.group.execute(encode_plan(plan), disk)
         except Exception as exc:  # noqa: BLE001  any failure of a step kills the engine
             return outs + self._die(exc, plan.step)
         result = decode_result(raw)

@@ -11,13 +11,15 @@ import itertools
 import logging
 import queue
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from ._errors import EngineError
 
 __all__ = ["RankGroup"]
 
 log = logging.getLogger("phalanx.engine")
+T = TypeVar("T")
 
 _TP_WINDOW = 4 << 20          # per-rank staging window of the TP domain
 
@@ -48,7 +50,10 @@ _EXEC_LOCK = threading.Lock()
 _CLOSE_WAIT_S = 60.0
 
 
-def _rank_execute(runner_id: str, plan: bytes) -> bytes | None:
+def _rank_execute(runner_id: str, plan: bytes, disk: Any = None) -> bytes | None:
+    """One step on this rank. ``disk`` (a ``disk_tier.DiskLoads`` or None): the pages
+    this step's ``PageLoad``s read from the disk tier, with rank 0's leases; this rank
+    reads its own shard of them straight from its store while executing the plan."""
     from .plan import decode_plan, encode_result
     from .runner import get_runner
 
@@ -57,7 +62,16 @@ def _rank_execute(runner_id: str, plan: bytes) -> bytes | None:
         runner = get_runner(runner_id)
         rank = runner.comm.rank
         try:
+            if disk is not None:
+                from .staging import expect_loads
+
+                expect_loads(runner.tier, disk)
             result = runner.execute(decode_plan(plan))
+            if disk is not None and rank == 0:
+                # every rank is past its loads: the forward's collectives came after them
+                from .disk_tier import release_leases
+
+                release_leases(disk.cache_id, disk.leases())
         except Exception as exc:  # noqa: BLE001  re-raised below, without its frames
             # the traceback's frames hold tensors over the domain's windows: keep only
             # the message, so nothing maps the windows once the step is over
@@ -85,6 +99,9 @@ def _rank_close(runner_id: str) -> None:
 # -- the parent side ------------------------------------------------------------------
 
 _ids = itertools.count(1)
+# (a step's plan and its disk loads, or a function and arguments for rank 0; its future)
+_Job = tuple[tuple[bytes, Any] | tuple[Callable[..., Any], tuple[Any, ...]],
+             concurrent.futures.Future[Any]]
 
 
 class RankGroup:
@@ -103,8 +120,7 @@ class RankGroup:
         self.tp = tp
         self.runner_id = f"engine_{next(_ids)}"
         self._step_timeout = step_timeout
-        self._jobs: queue.Queue[tuple[bytes, concurrent.futures.Future[bytes]] | None] = (
-            queue.Queue())
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._opened: concurrent.futures.Future[list[dict[str, Any]]] = (
             concurrent.futures.Future())
         self.dead: BaseException | None = None
@@ -135,9 +151,18 @@ class RankGroup:
                 job = self._jobs.get()
                 if job is None:
                     break
-                plan, fut = job
+                (what, args), fut = job
+                if callable(what):
+                    # a call on rank 0 alone (the disk tier's lookup): its error is the
+                    # caller's, not the group's
+                    try:
+                        fut.set_result(o.submit(0, what, *args).result())
+                    except Exception as exc:  # noqa: BLE001  handed to the caller
+                        fut.set_exception(exc)
+                    continue
                 try:
-                    outs = [o.submit(r, _rank_execute, self.runner_id, plan) for r in o.ranks]
+                    outs = [o.submit(r, _rank_execute, self.runner_id, what, args)
+                            for r in o.ranks]
                     first = outs[0].result()
                     for f in outs[1:]:
                         f.result()
@@ -183,11 +208,21 @@ class RankGroup:
             if job is not None:
                 job[1].set_exception(exc)
 
-    def execute(self, plan: bytes) -> bytes:
+    def execute(self, plan: bytes, disk: Any = None) -> bytes:
+        """Run one encoded plan on every rank (``disk``: its disk loads); rank 0's
+        encoded result."""
+        return bytes(self._submit((plan, disk)))
+
+    def on_rank0(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` as a task on rank 0, through the run that serves the steps (no
+        run of its own to start): the disk tier's lookups."""
+        return cast(T, self._submit((fn, args)))
+
+    def _submit(self, what: tuple[Any, Any]) -> Any:
         if self.dead is not None:
             raise self.dead
-        fut: concurrent.futures.Future[bytes] = concurrent.futures.Future()
-        self._jobs.put((plan, fut))
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((what, fut))
         # the tasks carry the step deadline; this one only backs it up
         return fut.result(timeout=self._step_timeout * 2 + 30)
 

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
     from phalanx.kvstore import Geometry
 
-__all__ = ["PageStaging", "rank_staging", "staging_source"]
+    from .disk_tier import DiskLoad, DiskLoads
+
+__all__ = ["PageStaging", "expect_loads", "rank_staging", "staging_source"]
 
 _SERVICE = "engine.staging"
 DEFAULT_CAPACITY = 4096
@@ -53,6 +55,8 @@ class PageStaging:
         self.dropped = 0        # pages pushed out unread (a store or load that never came)
         self.saved = 0
         self.delivered = 0
+        self._direct: dict[tuple[bytes, ...], DiskLoad] = {}  # this step's disk loads
+        self._disk: DiskLoads | None = None
 
     def _put(self, table: OrderedDict[bytes, bytes], key: bytes, data: bytes) -> None:
         table[key] = data
@@ -69,7 +73,17 @@ class PageStaging:
                 self._put(self._staged, key, row.tobytes())
             self.saved += len(keys)
 
+    def expect(self, disk: DiskLoads) -> None:
+        """The disk loads of the step about to run: ``load`` reads them from the rank's
+        store (its own shard, straight into the runner's buffer), not from staging."""
+        self._direct = {tuple(d.keys[d.start:]): d for d in disk.loads}
+        self._disk = disk
+
     def load(self, keys: list[bytes], out: torch.Tensor) -> None:
+        direct = self._direct.pop(tuple(keys), None)
+        if direct is not None:
+            self._load_direct(direct, out)
+            return
         dst = out.numpy()
         with self._lock:
             missing = [k.hex() for k in keys if k not in self._loaded]
@@ -80,6 +94,24 @@ class PageStaging:
                     f"load must run before the step")
             for i, key in enumerate(keys):
                 dst[i] = np.frombuffer(self._loaded.pop(key), dtype=np.uint8)
+
+    def _load_direct(self, d: DiskLoad, out: torch.Tensor) -> None:
+        from phalanx.kvstore import KeyChain, aligned_empty
+        from phalanx.replication import rank_cache
+
+        disk = self._disk
+        if disk is None:  # set together with _direct
+            raise EngineError(f"rank {self.rank}: a direct load without its step's leases")
+        chain = KeyChain(list(d.keys), disk.page_tokens, disk.fingerprint)
+        n = len(d.keys)
+        # the store reads a prefix from its first page: pages already in memory (before
+        # ``start``) are read into a scratch buffer and dropped
+        dst = out.numpy() if d.start == 0 else aligned_empty(n * self.page_bytes)
+        rank_cache(disk.cache_id).load_many([(chain, n, dst)], d.lease)
+        if d.start:
+            out.numpy()[:] = np.frombuffer(dst, dtype=np.uint8)[
+                d.start * self.page_bytes:].reshape(n - d.start, self.page_bytes)
+        self.delivered += n - d.start
 
     # -- the disk tier's side (a replication KV source) -------------------------------
     def row(self, keys: list[bytes], start: int) -> Any:
@@ -113,6 +145,14 @@ class PageStaging:
         with self._lock:
             self._staged.clear()
             self._loaded.clear()
+
+
+def expect_loads(tier: object, disk: DiskLoads) -> None:
+    """Hand the step's disk loads to the runner's tier (this rank's staging)."""
+    if not isinstance(tier, PageStaging):
+        raise EngineError(f"the step loads {len(disk.loads)} prefixes from the disk tier "
+                          f"but the runner's tier is {type(tier).__name__}, not its staging")
+    tier.expect(disk)
 
 
 def rank_staging(geometry: Geometry, capacity: int = DEFAULT_CAPACITY) -> PageStaging:
