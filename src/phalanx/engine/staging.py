@@ -3,13 +3,15 @@
 The same object is both sides of the hand-over, so a page's bytes never leave the rank:
 
 - the runner's :class:`~phalanx.engine.runner.PageTier`: a plan's ``PageSave`` stages
-  pages after the forward (``save``), a plan's ``PageLoad`` takes pages the disk tier
-  loaded before the step (``load``);
+  pages after the forward (``save``); a plan's ``PageLoad`` (``load``) is read from the
+  rank's own store, straight into the runner's buffer, when the step's
+  :class:`~phalanx.engine.disk_tier.DiskLoads` name it (``expect``: rank 0's leases),
+  else taken from the pages a parent-side load delivered before the step;
 - the replicated cache's KV source (:class:`phalanx.replication.KVSource`): a store
   reads staged pages (``row``), a load delivers pages (``loaded``).
 
 Rank 0 decides what is saved and loaded; the parent calls the cache's ``store`` after
-the step that staged a row and its ``load`` before the step that consumes it. Both maps
+the step that staged a row. Both maps
 are bounded (``capacity`` pages each, oldest dropped first and counted), so a store that
 never comes cannot grow a rank's memory. Open it with :func:`rank_staging` in a rank
 (or name :func:`staging_source` as the cache's ``kv_source_factory``): one per rank
