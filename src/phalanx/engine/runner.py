@@ -122,7 +122,9 @@ class Runner:
         data = data.to(self.device)
         per = data.shape[1] // len(self.kv)
         for i, layer in enumerate(self.kv):
-            part = data[:, i * per:(i + 1) * per].contiguous().view(layer.dtype)
+            # a strided view of this layer's columns (splitting the row is a view): one
+            # copy, straight into the pages
+            part = data[:, i * per:(i + 1) * per].view(layer.dtype)
             layer[idx] = part.view(n, *layer.shape[1:])
 
     def _check_pages(self, page_ids: Sequence[int]) -> None:
