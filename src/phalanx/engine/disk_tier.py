@@ -13,7 +13,10 @@ lookup.
 Stores run on one background thread, in the order their steps ran: a step's
 ``PageSave`` staged the pages on every rank, ``saved(chain)`` queues the chain, the
 thread asks rank 0 to store it (rank 0 admits, makes room, replicates). The request
-path never waits on a disk write. A store that fails (disk full, a failpoint, pages
+path never waits on a disk write, and the thread waits for a quiet moment of the ranks
+(``RankGroup.wait_quiet``: 50 ms without a step; a store at most 1 s after it was
+queued) before each store and maintenance burst, so back-to-back requests do not
+share their cores with it. A store that fails (disk full, a failpoint, pages
 pushed out of staging) or that finds the queue full is counted and dropped: it costs
 a later miss, never a wrong answer. The thread also runs the cache's maintenance in
 bounded bursts while it is idle.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -45,6 +49,11 @@ log = logging.getLogger("phalanx.engine")
 
 _IDLE_POLL_S = 0.5          # how long the store thread waits before a maintenance burst
 _MAINTENANCE_JOBS = 64      # jobs per burst: a store waits behind one burst at most
+# Before a store or a burst the thread waits for the ranks to be quiet this long (no
+# step, no lookup), at most _QUIET_WAIT_S: a store of one page costs 2-12 ms of the two
+# shared cores, which the request just admitted would otherwise pay.
+_QUIET_GAP_S = 0.05
+_QUIET_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,7 @@ class DiskTier:
         self.fingerprint = fingerprint
         self.stats = DiskTierStats()
         self._maintenance = maintenance
-        self._q: queue.Queue[list[bytes] | None] = queue.Queue(maxsize=queue_limit)
+        self._q: queue.Queue[tuple[float, list[bytes]] | None] = queue.Queue(maxsize=queue_limit)
         self._cv = threading.Condition()
         self._pending = 0       # stores queued or running
         self._stopping = False
@@ -180,7 +189,7 @@ class DiskTier:
     def saved(self, keys: Sequence[bytes]) -> None:
         with self._cv:
             try:
-                self._q.put_nowait(list(keys))
+                self._q.put_nowait((time.monotonic(), list(keys)))
             except queue.Full:
                 self.stats.stores_dropped += 1
                 return
@@ -200,8 +209,12 @@ class DiskTier:
                 continue
             if item is None:
                 return
+            queued, keys = item
             try:
-                self.cache.store(self._chain(item))
+                if not self._stopping:  # a busy engine still stores within _QUIET_WAIT_S
+                    self.group.wait_quiet(_QUIET_GAP_S,
+                                          queued + _QUIET_WAIT_S - time.monotonic())
+                self.cache.store(self._chain(keys))
                 self.stats.stores += 1
             except PhalanxError as exc:
                 self.stats.store_failures += 1
@@ -217,6 +230,8 @@ class DiskTier:
         requests however much is due (a recovered directory may owe thousands)."""
         if not self._maintenance:
             return 0
+        if not self.group.wait_quiet(_QUIET_GAP_S, _QUIET_WAIT_S) and not self._q.empty():
+            return 1  # busy and stores are queued: they go first
         try:
             done = self.cache.poll(_MAINTENANCE_JOBS)
         except PhalanxError as exc:
