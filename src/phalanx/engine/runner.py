@@ -85,6 +85,7 @@ class Runner:
 
             tier = rank_staging(self.geometry())
         self.tier = tier
+        self._load_buf: torch.Tensor | None = None  # see _load_buffer
         self.closed = False
 
     # -- what this rank holds ---------------------------------------------------------
@@ -126,6 +127,14 @@ class Runner:
             # copy, straight into the pages
             part = data[:, i * per:(i + 1) * per].view(layer.dtype)
             layer[idx] = part.view(n, *layer.shape[1:])
+
+    def _load_buffer(self, n: int) -> torch.Tensor:
+        """uint8 [n, page_bytes] for a disk load, reused from step to step (grown when
+        short): a fresh one per load cost its page faults on every step."""
+        pb = self.geometry().page_bytes
+        if self._load_buf is None or self._load_buf.shape[0] < n:
+            self._load_buf = torch.empty((n, pb), dtype=torch.uint8)
+        return self._load_buf[:n]
 
     def _check_pages(self, page_ids: Sequence[int]) -> None:
         bad = [p for p in page_ids if not 0 <= p < self.num_pages]
@@ -183,7 +192,7 @@ class Runner:
                 raise EngineError(f"rank {self.comm.rank}: step {plan.step} loads "
                                   f"{len(load.keys)} pages but this runner has no disk tier")
             self._check_pages(load.page_ids)
-            buf = torch.empty((len(load.keys), self.geometry().page_bytes), dtype=torch.uint8)
+            buf = self._load_buffer(len(load.keys))
             self.tier.load(list(load.keys), buf)
             self.write_pages(load.page_ids, buf)
         if not plan.chunks:
@@ -234,6 +243,7 @@ class Runner:
         after this the TP domain can be released."""
         self.closed = True
         self.kv = []
+        self._load_buf = None
         close = getattr(self.comm, "close", None)
         if close is not None:
             close()
