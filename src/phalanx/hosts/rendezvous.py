@@ -265,11 +265,16 @@ class _Leader:
                 self._write(store, r, code, reason, peers or [], missing)
         unacked: list[int] = []
         deadline = time.monotonic() + _GRACE_S
-        for r in sorted(self.read):  # a node whose join was read reads its verdict
+        # A node whose join was read reads its verdict. After a refusal, a node still on
+        # its way is given the grace too, to hear why rather than find the store gone
+        # (a node that never came is not waited for again: the deadline passed).
+        owed = set(everyone) if code == "aborted" else self.read
+        for r in sorted(owed):
             try:
                 store.wait([_ack(r)], timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except DistStoreError:
-                unacked.append(r)
+                if r in self.read:
+                    unacked.append(r)
         for r in everyone:
             for key in (_join(r), _verdict(r), _ack(r)):
                 store.delete_key(key)
@@ -325,7 +330,8 @@ def _follow(spec: NodeSpec, addr: str) -> Membership:
         store.delete_key(_verdict(r))
         store.set(_ack(r), b"1")
     except DistError as exc:
-        raise RendezvousError(f"{me}: lost node 0's store at {master}: {_first_line(exc)}"
+        raise RendezvousError(f"{me}: lost node 0's store at {master} (node 0 stopped the "
+                              f"rendezvous or died: see its error): {_first_line(exc)}"
                               ) from exc
     finally:
         del store
