@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 from netns import Host, hosts, namespaces_of_this_run
@@ -93,4 +94,25 @@ def test_the_harness_tears_down_when_the_body_fails() -> None:
     except KeyError:
         pass
     assert started[0].returncode is not None  # killed and reaped by the teardown
+    assert namespaces_of_this_run() == []
+
+
+def test_a_host_cut_off_by_a_partition_is_named_and_fails_itself() -> None:
+    """Node 2's link is down (tests/netns.py's partition): the others name it; it says it
+    cannot reach node 0's store."""
+    with hosts(3) as nodes:
+        nodes[2].link_down()
+        started = time.monotonic()
+        procs = [_probe(h, i, 3, timeout=8) for i, h in enumerate(nodes)]
+        cut_result = _result(procs[2])
+        cut_s = time.monotonic() - started  # torch's import (~2 s), then the 8 s deadline
+        (_, head, _), (_, node1, _) = (_result(p) for p in procs[:2])
+        nodes[2].link_up()
+    rc2, cut, _ = cut_result
+    # bounded: torch's own client overshot an 8 s connect timeout to 13 s (hosts._connect)
+    assert cut_s < 8 + 10, f"the cut-off node took {cut_s:.1f}s to give up"
+    assert head["missing"] == [2] and node1["missing"] == [2], (head, node1)
+    assert rc2 == 1 and cut["error"] == "RendezvousError", cut
+    assert f"node 2 at 10.77.0.3: node 0's store at 10.77.0.1:{PORT} cannot be reached " \
+           f"within 8s" in cut["message"], cut
     assert namespaces_of_this_run() == []

@@ -58,6 +58,7 @@ __all__ = ["Membership", "NodeSpec", "local_addr_towards", "rendezvous"]
 _PREFIX = "phx/hosts"
 _NONCE = f"{_PREFIX}/nonce"
 _GRACE_S = 5.0  # for acks, and the margin a node waits beyond node 0's deadline
+_CONNECT_ATTEMPT_S = 1.0  # one connect attempt of a node (torch overshoots it: _connect)
 
 
 def _join(r: int) -> str:
@@ -289,7 +290,7 @@ class _Leader:
 
 
 def _follow(spec: NodeSpec, addr: str) -> Membership:
-    from torch.distributed import DistError, DistStoreError, TCPStore  # type: ignore[attr-defined]
+    from torch.distributed import DistError, DistStoreError
 
     r, master = spec.node_rank, spec.master
     me = f"node {r} at {addr}"
@@ -299,12 +300,7 @@ def _follow(spec: NodeSpec, addr: str) -> Membership:
     def left() -> timedelta:
         return timedelta(seconds=max(0.001, deadline - time.monotonic()))
 
-    try:  # Any: its stubs say str values; the C++ store takes bytes (frames are binary)
-        store: Any = TCPStore(spec.master_addr, spec.master_port, None, False,
-                         timedelta(seconds=spec.timeout), use_libuv=True)
-    except DistError as exc:
-        raise RendezvousError(f"{me}: node 0's store at {master} cannot be reached within "
-                              f"{spec.timeout:g}s: {_first_line(exc)}") from exc
+    store: Any = _connect(spec, me)  # Any: its stubs say str values; frames are bytes
     try:
         try:
             store.wait([_NONCE], left())
@@ -336,6 +332,29 @@ def _follow(spec: NodeSpec, addr: str) -> Membership:
     finally:
         del store
     return _accept(spec, me, nonce, verdict)
+
+
+def _connect(spec: NodeSpec, me: str) -> Any:
+    """A client of node 0's store, within ``spec.timeout`` plus about one attempt.
+
+    torch's client retries a connect until its timeout, but it overshoots by up to the
+    timeout again (a 3 s timeout gave up after 3.6 s, an 8 s one after 13 s, against a
+    host cut off by a partition). So it is given short attempts, retried to the deadline."""
+    from torch.distributed import DistError, TCPStore  # type: ignore[attr-defined]
+
+    deadline = time.monotonic() + spec.timeout
+    while True:
+        attempt = min(_CONNECT_ATTEMPT_S, max(0.05, deadline - time.monotonic()))
+        try:
+            store = TCPStore(spec.master_addr, spec.master_port, None, False,
+                             timedelta(seconds=attempt), use_libuv=True)
+        except DistError as exc:
+            if time.monotonic() < deadline:
+                continue  # node 0 not up yet, or the network not there yet
+            raise RendezvousError(f"{me}: node 0's store at {spec.master} cannot be reached "
+                                  f"within {spec.timeout:g}s: {_first_line(exc)}") from exc
+        store.set_timeout(timedelta(seconds=spec.timeout))  # each reply's, from now on
+        return store
 
 
 def _accept(spec: NodeSpec, me: str, nonce: bytes, verdict: VerdictFrame) -> Membership:
