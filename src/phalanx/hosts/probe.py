@@ -4,8 +4,9 @@
         --master-addr 10.77.0.1 --master-port 29400 [--timeout 60] [--addr A]
 
 On success it prints ``{"ok": true, "node_rank": R, "nnodes": N, "master": "A:P",
-"peers": [{"node_rank", "addr", "pid"}, ...], "store_keys_after": K}`` (K: keys left in
-node 0's store, 0; null elsewhere) and exits 0. On failure it prints ``{"ok": false,
+"peers": [{"node_rank", "addr", "pid"}, ...], "store_keys_after": K, "rendezvous_s": S}``
+(K: keys left in node 0's store, 0; null elsewhere; S: this node's time in
+``rendezvous``, torch's import included) and exits 0. On failure it prints ``{"ok": false,
 "error": TYPE, "message": TEXT, "missing": [...]}`` and exits 1 (2 for bad arguments).
 No CLI framework: the tests run it in every namespace, and it must start fast.
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from phalanx.rendezvous import HandshakeTimeoutError, RendezvousError
 
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": False, "error": "ValueError", "message": str(exc),
                           "missing": []}), flush=True)
         return 2
+    started = time.monotonic()
     try:
         membership = rendezvous(spec)
     except RendezvousError as exc:
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         "peers": [{"node_rank": p.node_rank, "addr": p.addr, "pid": p.pid}
                   for p in membership.peers],
         "store_keys_after": membership.store_keys_after,
+        "rendezvous_s": round(time.monotonic() - started, 4),  # torch imported inside
     }), flush=True)
     return 0
 
