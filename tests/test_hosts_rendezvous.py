@@ -70,17 +70,27 @@ def test_a_wrong_token_is_refused_on_both_sides_and_the_others_are_told() -> Non
     assert namespaces_of_this_run() == []
 
 
-def test_a_node_that_never_arrives_is_named_with_the_master_address() -> None:
-    with hosts(3) as nodes:  # node 2's host exists; its probe never starts
-        # 8 s: long enough for node 1 to import torch and connect on a loaded machine
-        procs = [_probe(nodes[0], 0, 3, timeout=8), _probe(nodes[1], 1, 3, timeout=8)]
-        (rc0, head, _), (rc1, node1, _) = (_result(p) for p in procs)
+def test_a_node_that_never_arrives_is_named_and_a_duplicate_rank_is_refused() -> None:
+    """Rank 2 never starts; rank 1 starts on two hosts. Node 0 names rank 2 at its
+    deadline, to itself and to the rank 1 that claimed first; the other rank 1 is told
+    at once whose address holds its rank (it never reads the winner's verdict)."""
+    with hosts(3) as nodes:
+        # 8 s: long enough for the others to import torch and connect on a loaded machine
+        procs = [_probe(nodes[0], 0, 3, timeout=8), _probe(nodes[1], 1, 3, timeout=8),
+                 _probe(nodes[2], 1, 3, timeout=8)]
+        (rc0, head, _), first, second = (_result(p) for p in procs)
+    assert rc0 == 1, head
+    winner = "10.77.0.2" if "1 at 10.77.0.2" in head["message"] else "10.77.0.3"
+    (rc1, node1, _), (rc_dup, dup, _) = (first, second) if winner == "10.77.0.2" else (
+        second, first)
     for rc, line in ((rc0, head), (rc1, node1)):
         assert rc == 1, line
         assert line["error"] == "HandshakeTimeoutError" and line["missing"] == [2], line
         assert "node rank(s) [2] never arrived within 8s" in line["message"], line
         assert f"master 10.77.0.1:{PORT}" in line["message"], line
-    assert "arrived: 0 at 10.77.0.1, 1 at 10.77.0.2" in head["message"], head
+    assert f"arrived: 0 at 10.77.0.1, 1 at {winner}" in head["message"], head
+    assert rc_dup == 1 and dup["error"] == "RendezvousError", dup
+    assert f"node rank 1 is taken by the node at {winner}" in dup["message"], dup
     assert namespaces_of_this_run() == []
 
 
@@ -116,3 +126,4 @@ def test_a_host_cut_off_by_a_partition_is_named_and_fails_itself() -> None:
     assert f"node 2 at 10.77.0.3: node 0's store at 10.77.0.1:{PORT} cannot be reached " \
            f"within 8s" in cut["message"], cut
     assert namespaces_of_this_run() == []
+

@@ -15,17 +15,19 @@ The protocol, all keys under ``phx/hosts/``:
    same rank are told so, naming the other's address), a :class:`JoinFrame` with its
    address and proof;
 3. node 0 reads each join as it comes (``wait`` on the lowest rank still missing, then
-   ``check`` for the others), deletes it, checks version, rank, nnodes and the proof;
+   ``check`` for the others) and checks version, rank, nnodes and the proof (the join
+   stays until the end, so a duplicate rank finds it taken);
 4. node 0 writes every node's ``verdict/R``: admitted with the peers (signed), or why
    not. A wrong token is refused at once (the node and the others are told, all fail);
    at the deadline, the nodes that never came are named to every node that did;
 5. node R reads its verdict, deletes it, sets ``ack/R``; node 0 waits for every ack
-   (bounded), deletes the acks and the nonce. No key of the rendezvous is left: the
+   (bounded), deletes the joins, the acks and the nonce. No key of the rendezvous is left: the
    store's key count is back to zero (``Membership.store_keys_after`` on node 0).
 
-Invariant: every key is deleted by the one node that reads it last (a join by node 0, a
-verdict by its node, an ack and the nonce by node 0); node 0's failure path deletes
-every key a node that never came would have read.
+Invariant: every key is deleted by the one node that reads it last (a verdict by its
+node; a join, an ack and the nonce by node 0 at the end); node 0's failure path deletes
+every key a node that never came would have read. At most 3 keys a node plus the nonce
+exist at any time.
 """
 
 from __future__ import annotations
@@ -214,8 +216,9 @@ class _Leader:
 
     def _admit(self, store: Any, r: int) -> None:
         spec, what = self.spec, f"node {r}'s join frame"
+        # join/R stays until the end: a second node started with rank R then finds it
+        # taken (compare_set) instead of claiming it again and reading R's verdict
         data = bytes(store.get(_join(r)))
-        store.delete_key(_join(r))
         self.read.add(r)
         try:
             frame = decode_join(data, what)
