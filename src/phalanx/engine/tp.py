@@ -104,6 +104,12 @@ class DomainComm:
         self._round = 0
         self._closed = False
         self._mapped: list[torch.Tensor] | None = None  # set only inside step()
+        # inside step() only, like _mapped: (half, dtype, numel) -> (this rank's part, the
+        # members' parts): an engine step's all-reduces repeat a few shapes, and slicing
+        # and viewing each half per call was most of a 4 KiB all-reduce (~20 of 45 µs)
+        self._parts: dict[tuple[int, torch.dtype, int],
+                          tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._barrier: Any = None  # the view's bound barrier, inside step() only
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -119,6 +125,8 @@ class DomainComm:
             yield
         finally:
             self._mapped = None
+            self._parts = {}
+            self._barrier = None
 
     def close(self) -> None:
         """Refuse further collectives (idempotent)."""
@@ -163,6 +171,10 @@ class DomainComm:
         return t
 
     def _all_reduce(self, flat: torch.Tensor) -> None:
+        n = flat.numel()
+        if self._mapped is not None and n * flat.element_size() <= self.half:
+            self._all_reduce_one(flat, n)
+            return
         per = self.half // flat.element_size()
         for start in range(0, flat.numel(), per):
             n = min(per, flat.numel() - start)
@@ -175,6 +187,30 @@ class DomainComm:
             torch.add(parts[0], parts[1], out=out)
             for r in range(2, self.size):
                 out.add_(parts[r])
+
+    def _all_reduce_one(self, flat: torch.Tensor, n: int) -> None:
+        """One round inside step(): the parts come from the step's cache, so the call is
+        one copy, the barrier and the sums (a 4 KiB all-reduce's torch calls)."""
+        if self._closed:
+            raise EngineError(f"domain {self.name!r}: this TP communicator was closed")
+        h = self._round & 1
+        self._round += 1
+        key = (h, flat.dtype, n)
+        got = self._parts.get(key)
+        if got is None:
+            assert self._mapped is not None  # only called inside step()
+            lo = h * self.half
+            nbytes = n * flat.element_size()
+            parts = [m[lo:lo + nbytes].view(flat.dtype) for m in self._mapped]
+            got = self._parts[key] = (parts[self.rank], parts)
+        mine, parts = got
+        mine.copy_(flat)
+        if self._barrier is None:
+            self._barrier = self.view.barrier
+        self._barrier()
+        torch.add(parts[0], parts[1], out=flat)
+        for r in range(2, self.size):
+            flat.add_(parts[r])
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` concatenated on dim 0, in domain-rank order."""
