@@ -155,6 +155,9 @@ def sample(
             f"sample: logits of shape {tuple(logits.shape)} for {len(specs)} specs"
         )
     lf = logits.float()
+    if all(s.temperature < _GREEDY_EPS and s.logprobs is None for s in specs):
+        # a greedy batch: one argmax and one host transfer, not one .item() per row
+        return [int(t) for t in torch.argmax(lf, dim=-1).tolist()], [None] * len(specs)
     tokens: list[int] = []
     out_lp: list[TokenLogprobs | None] = []
     logsm: torch.Tensor | None = None
