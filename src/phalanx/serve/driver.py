@@ -68,6 +68,11 @@ class EngineDriver:
         # Invariant: a request id is in _streams from its submission until its final
         # delta (or an error) was handed to its queue.
         self._streams: dict[str, _Stream] = {}
+        # The admission slots (max_pending): a request holds one from its submission
+        # until its iterator is closed, which the HTTP layer does when the response
+        # ended or the client left -- not when the engine finished generating, so a
+        # finished request still streaming to a slow client is counted (vLLM's rule).
+        self._slots: set[str] = set()
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
@@ -121,24 +126,27 @@ class EngineDriver:
             raise EngineDeadError(str(self._dead))
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
         with self._lock:
-            if len(self._streams) >= self.max_pending:
-                raise APIError(503, f"the server is at capacity: {len(self._streams)} "
+            if len(self._slots) >= self.max_pending:
+                raise APIError(503, f"the server is at capacity: {len(self._slots)} "
                                f"requests in flight (limit {self.max_pending}); retry shortly",
                                code="server_busy", retry_after=1)
+            self._slots.add(request_id)
             self._streams[request_id] = stream
-        self._send("add", (request_id, prompt_token_ids, params))
         finished = False
         try:
+            self._send("add", (request_id, prompt_token_ids, params))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                yield item
-                if item.finish_reason is not None:
-                    finished = True
+                finished = item.finish_reason is not None
+                yield item  # the final delta too: the slot is held until we are closed
+                if finished:
                     return
         finally:
+            with self._lock:
+                self._slots.discard(request_id)
             if not finished:  # the client went away (or the server stops): free its KV
                 self._send("abort", request_id)
 

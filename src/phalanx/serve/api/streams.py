@@ -87,6 +87,10 @@ class Choices:
             try:
                 async for d in stream:
                     await queue.put((i, d))
+                    if d.finish_reason is not None:
+                        # not a pull past the last delta: the engine stream (and its
+                        # admission slot) is closed by aclose when the response ends
+                        break
             except Exception as exc:  # noqa: BLE001  re-raised in the consumer below
                 await queue.put((i, exc))
             await queue.put((i, _DONE))
