@@ -301,3 +301,28 @@ def test_a_killed_rank_with_no_restart_exits_nonzero(model_home: Path) -> None:
     assert "no-restart" in "".join(x for x in s.stderr if x)
     for pid in ranks.values():
         assert not psutil_alive(pid)
+
+
+def test_a_full_queue_is_503_with_retry_after_and_the_server_recovers(
+        model_home: Path) -> None:
+    s = Server("--tp", "1", "--no-prefix-cache-disk", "--max-num-seqs", "1",
+               "--max-waiting", "0", env=model_env(model_home))
+    try:
+        # no max_tokens: the whole context (thousands of steps), and the slot is held
+        # until the response ends, however soon the engine is done generating
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=120, json={
+                "prompt": "hold the only slot", "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            # keep the iterator: one dropped at once closes (httpcore) the connection,
+            # a disconnect that aborts the request and frees its slot -- the flake
+            lines = r.iter_lines()
+            next(lines)  # the first chunk: the request holds its slot now
+            busy = _post(s, "/v1/completions", {"prompt": "one more", "max_tokens": 2})
+            assert busy.status_code == 503, busy.text
+            assert busy.headers["retry-after"] and busy.json()["error"]["code"] == "server_busy"
+        # the stream was closed: its slot frees, and the next request is answered
+        wait_for(lambda: _post(s, "/v1/completions", {"prompt": "again",
+                                                      "max_tokens": 2}).status_code == 200,
+                 60, "the slot of the closed stream to free")
+    finally:
+        assert s.stop() == 0
