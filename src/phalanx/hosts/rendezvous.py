@@ -270,9 +270,13 @@ class _Leader:
         unacked: list[int] = []
         deadline = time.monotonic() + _GRACE_S
         # A node whose join was read reads its verdict. After a refusal, a node still on
-        # its way is given the grace too, to hear why rather than find the store gone
-        # (a node that never came is not waited for again: the deadline passed).
+        # its way is waited for until the rendezvous deadline it would have met anyway
+        # (a grace at least), to hear why rather than find the store gone: how late it
+        # starts is the machine's doing, not a race to lose (a node that never came is
+        # not waited for again: the deadline passed).
         owed = set(everyone) if code == "aborted" else self.read
+        if code == "aborted":
+            deadline = max(deadline, self.deadline)
         for r in sorted(owed):
             try:
                 store.wait([_ack(r)], timedelta(seconds=max(0.001, deadline - time.monotonic())))
