@@ -46,10 +46,6 @@ __all__ = ["JobCollector", "Leader", "MaintainReport"]
 
 log = logging.getLogger("phalanx.replication")
 
-_SLICE = 8  # maintenance jobs applied under one hold of the order lock
-_MIN_DEPTH = 4  # the maintenance lane's depth never goes below (keeps peers busy)
-QUEUE_BUDGET_S = 0.003  # peer work the lane may keep ahead of a request (default)
-
 
 class JobCollector:
     """DiskStore's ``on_job`` hook: collects the jobs a call applied, per thread, so
@@ -83,13 +79,11 @@ class MaintainReport:
 class Leader:
     def __init__(self, store: DiskStore, collector: JobCollector, source: KVSource,
                  links: dict[int, PeerLink], *, reserve: int,
-                 now: Callable[[], float] = time.monotonic,
-                 queue_budget_s: float = QUEUE_BUDGET_S) -> None:
+                 now: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.source = source
         self.links = links
         self.reserve = reserve
-        self.queue_budget_s = queue_budget_s
         self._collector = collector
         self._order = threading.Lock()
         self._requests = 0  # request-lane calls in progress: maintenance yields to them
@@ -179,7 +173,7 @@ class Leader:
         also rank -> seq of the last op queued to that peer. Under the order lock: every
         record reported had its store queued to every link before this point, so a peer
         that applied through its seq holds all of them."""
-        with self._request(), self._order:  # a request: the burst yields to it
+        with self._order:
             pins = self.store.lookup_pin(prefixes)
             through = {r: ln.queued_through() for r, ln in self.links.items()}
         return pins, through
@@ -222,32 +216,9 @@ class Leader:
         return StoreResult(chain.keys[-1], 0, n, True, 0)
 
     # -- maintenance lane -------------------------------------------------------------
-    def _lane_room(self, link: PeerLink) -> int:
-        """Jobs the maintenance lane may queue to ``link`` now: credits beyond the
-        reserve, and no more than keeps ``queue_budget_s`` of the peer's work ahead of
-        a request that comes next (its measured seconds per op; a request waits behind
-        whatever is in flight, and FIFO order is what keeps the ranks identical)."""
-        inflight, pending = link.outstanding()  # under the link lock: an RLock
-        queued = inflight + pending
-        room = link.window - queued - self.reserve
-        per = link.op_seconds
-        if per is not None and per > 0:
-            depth = max(_MIN_DEPTH, int(self.queue_budget_s / per))
-            room = min(room, depth - queued)
-        return room
-
     def _room(self) -> int:
-        return min((self._lane_room(ln) for ln in self.links.values()), default=1 << 30)
-
-    def _lane_limit(self) -> int:
-        """The most jobs the lane may have in flight on the tightest link."""
-        limits = []
-        for ln in self.links.values():
-            limit = ln.window - self.reserve
-            if ln.op_seconds:
-                limit = min(limit, max(_MIN_DEPTH, int(self.queue_budget_s / ln.op_seconds)))
-            limits.append(limit)
-        return min(limits, default=1)
+        rooms = [ln.room() - self.reserve for ln in self.links.values()]
+        return min(rooms, default=1 << 30)
 
     def poll(self, max_jobs: int) -> int:
         """Decide and replicate at most ``max_jobs`` jobs, as credits allow; 0 when the
@@ -262,38 +233,25 @@ class Leader:
         room = min(room, max_jobs)
         if room <= 0:
             return None
-        # The order lock per slice of _SLICE jobs, not per batch: a request (store,
-        # load, lookup) that arrives mid-batch waits for one slice's local apply, not
-        # for up to window - reserve jobs. It preempts the rest of the batch:
-        # ``_requests`` is raised before the request takes the lock and checked here
-        # before each slice, so the lane hands the lock over instead of re-taking it
-        # (threading.Lock is not fair). A slice, not one job: per job, the lock, the
-        # store's poll and a writer wake-up each doubled rank 0's CPU per job.
-        done = 0
-        while done < room:
-            if self._requests:
-                break  # the jobs so far are queued; the request goes next
-            with self._order:
-                with self._collector.collect() as jobs:
-                    self.store.poll(min(_SLICE, room - done))
-                for link in self.links.values():
-                    link.submit_jobs(jobs)
-            if not jobs:
-                break  # the scheduler has nothing left
-            for job in jobs:
-                self.jobs_sent[job.kind.value] += 1
-            done += len(jobs)
-        return None if not done and self._requests else done
+        with self._order:
+            with self._collector.collect() as jobs:
+                self.store.poll(room)
+            for link in self.links.values():
+                link.submit_jobs(jobs)
+        for job in jobs:
+            self.jobs_sent[job.kind.value] += 1
+        return len(jobs)
 
     def maintain(self, timeout: float | None = None) -> MaintainReport:
         """Run maintenance to completion on every rank (decided, applied, acked)."""
         t0 = self._now()
         before = collections.Counter(self.jobs_sent)
         report = MaintainReport()
+        # Refill in batches: wait for a quarter of the lane's credits, not for one (one
+        # frame per send and per ack otherwise); never more than the lane can ever get.
+        batch = max(1, (min(ln.window for ln in self.links.values()) - self.reserve) // 4
+                    if self.links else 1)
         while timeout is None or self._now() - t0 < timeout:
-            # Refill in batches: wait for a quarter of the lane's depth, not for one (one
-            # frame per send and per ack otherwise); never more than the lane can get.
-            batch = max(1, self._lane_limit() // 4)
             n = self._poll(1 << 30, batch)
             if n == 0:
                 break  # the scheduler has nothing left
@@ -306,7 +264,7 @@ class Leader:
             # A full window means wait for the slowest peer's credits, never "broken".
             # A stalled peer fails its link within job_timeout, which raises here.
             for link in self.links.values():
-                link.wait(functools.partial(self._has_lane_room, link, batch),
+                link.wait(functools.partial(_has_room, link, self.reserve + batch - 1),
                           _left(t0, timeout, self._now))
         undrained = self.drain(_left(t0, timeout, self._now))
         if undrained:
@@ -315,9 +273,6 @@ class Leader:
         report.jobs = dict(self.jobs_sent - before)
         report.seconds = self._now() - t0
         return report
-
-    def _has_lane_room(self, link: PeerLink, n: int) -> bool:
-        return self._lane_room(link) >= n or bool(self._requests)
 
     def drain(self, timeout: float | None) -> dict[int, str]:
         """Wait until every peer acked everything queued; rank -> what did not drain."""

@@ -192,10 +192,6 @@ class PeerLink:
         self._replies: dict[int, Ack] = {}
         self._want: set[int] = set()  # seqs whose Ack a caller reads (load crc, digest)
         self._last_ack = time.monotonic()
-        # Seconds the peer takes per op, from its acks (EWMA; None until the first):
-        # how long a request queued now would wait behind what is in flight (leader.py
-        # bounds the maintenance lane's depth by it).
-        self.op_seconds: float | None = None
         self._error: ReplicationError | None = None
         self.error_raised = False  # a caller has seen _error (close reports it otherwise)
         self._failed_op: int | None = None  # the first op a peer reported failed
@@ -408,15 +404,8 @@ class PeerLink:
                 return
 
     def _on_ack_locked(self, ack: Ack, now: float) -> None:
-        n = 0
-        busy = bool(self._inflight) and self._inflight[0][1] <= self._last_ack
         while self._inflight and self._inflight[0][0] <= ack.seq:
             self._inflight.popleft()
-            n += 1
-        if n and busy:  # the peer had work all along since the last ack: its drain rate
-            per = (now - self._last_ack) / n  # (a sample after an idle pipe is the RTT)
-            self.op_seconds = per if self.op_seconds is None else (
-                0.8 * self.op_seconds + 0.2 * per)
         self.acked = max(self.acked, ack.seq)
         self._last_ack = now
         if ack.seq in self._want:
