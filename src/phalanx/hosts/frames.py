@@ -87,7 +87,7 @@ _VERDICT = msgspec.msgpack.Decoder(VerdictFrame)
 _VERSIONED = msgspec.msgpack.Decoder(_Versioned)
 
 
-T = TypeVar("T")
+T = TypeVar("T", JoinFrame, VerdictFrame)
 
 
 def encode(frame: JoinFrame | VerdictFrame) -> bytes:
@@ -96,7 +96,7 @@ def encode(frame: JoinFrame | VerdictFrame) -> bytes:
 
 def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T:
     try:
-        return decoder.decode(data)
+        frame = decoder.decode(data)
     except msgspec.DecodeError as exc:
         try:
             version = _VERSIONED.decode(data).version
@@ -108,43 +108,48 @@ def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T:
                              f"{VERSION}: run the same phalanx version on every host"
                              ) from exc
         raise RendezvousError(f"{what} is malformed: {exc}") from exc
+    if frame.version != VERSION:
+        raise RendezvousError(f"{what} speaks frame version {frame.version}, this node speaks "
+                              f"{VERSION}: run the same phalanx version on every host")
+    return frame
 
 
 def decode_join(data: bytes, what: str) -> JoinFrame:
-    frame = _decode(_JOIN, data, what)
-    if frame.version != VERSION:
-        raise RendezvousError(f"{what} speaks frame version {frame.version}, this node speaks "
-                         f"{VERSION}: run the same phalanx version on every host")
-    return frame
+    return _decode(_JOIN, data, what)
 
 
 def decode_verdict(data: bytes, what: str) -> VerdictFrame:
-    frame = _decode(_VERDICT, data, what)
-    if frame.version != VERSION:
-        raise RendezvousError(f"{what} speaks frame version {frame.version}, this node speaks "
-                         f"{VERSION}: run the same phalanx version on every host")
-    return frame
+    return _decode(_VERDICT, data, what)
 
 
 def _mac(token: str, kind: bytes, nonce: bytes, body: bytes) -> bytes:
     return hmac.new(token.encode(), kind + b"|" + nonce + b"|" + body, hashlib.sha256).digest()
 
 
-def sign_join(token: str, nonce: bytes, frame: JoinFrame) -> JoinFrame:
+_Signed = TypeVar("_Signed", JoinFrame, VerdictFrame)
+
+
+def _sign(token: str, kind: bytes, nonce: bytes, frame: _Signed) -> _Signed:
+    """``frame`` with its proof: a MAC of its encoding (proof empty) under the token."""
     body = encode(msgspec.structs.replace(frame, proof=b""))
-    return msgspec.structs.replace(frame, proof=_mac(token, b"join", nonce, body))
+    return msgspec.structs.replace(frame, proof=_mac(token, kind, nonce, body))
+
+
+def _valid(token: str, kind: bytes, nonce: bytes, frame: _Signed) -> bool:
+    return hmac.compare_digest(_sign(token, kind, nonce, frame).proof, frame.proof)
+
+
+def sign_join(token: str, nonce: bytes, frame: JoinFrame) -> JoinFrame:
+    return _sign(token, b"join", nonce, frame)
 
 
 def valid_join(token: str, nonce: bytes, frame: JoinFrame) -> bool:
-    expected = sign_join(token, nonce, frame).proof
-    return hmac.compare_digest(expected, frame.proof)
+    return _valid(token, b"join", nonce, frame)
 
 
 def sign_verdict(token: str, nonce: bytes, frame: VerdictFrame) -> VerdictFrame:
-    body = encode(msgspec.structs.replace(frame, proof=b""))
-    return msgspec.structs.replace(frame, proof=_mac(token, b"verdict", nonce, body))
+    return _sign(token, b"verdict", nonce, frame)
 
 
 def valid_verdict(token: str, nonce: bytes, frame: VerdictFrame) -> bool:
-    expected = sign_verdict(token, nonce, frame).proof
-    return hmac.compare_digest(expected, frame.proof)
+    return _valid(token, b"verdict", nonce, frame)
