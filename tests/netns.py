@@ -1,172 +1,42 @@
-"""Real hosts on one machine: network namespaces joined by veth pairs and a bridge.
+"""Real hosts on one machine for the tests: ``phalanx_bench.netns`` with a skip.
 
-``with hosts(3) as nodes:`` creates three namespaces, each a host with its own
-address (10.77.0.1, .2, .3 on a /24), and a fourth namespace holding the bridge they all
-plug into, so nothing is added to the root namespace (no bridge or veth of ours shows up
-in the machine's own ``ip link``). Each veth pair has its host end (``eth0``) inside the
-host's namespace and its bridge end (``v<i>``) in the bridge's; taking a bridge end down
-cuts that host off from every other (``link_down``), a network partition.
-
-Names carry this process's pid and a counter (``phx<pid>x<n>h<i>``), so a run that
-crashed before its teardown cannot collide with this one. Teardown runs in ``finally``,
-whatever the body raised: every process started through ``run``/``popen`` is killed and
-reaped first, then every namespace is deleted (its veth ends go with it), and every
-failure is collected and raised together, never dropped.
-
-Needs root and iproute2; where namespaces cannot be created, the caller's test is skipped
-with the reason.
+The harness itself (namespaces joined by veth pairs and a bridge, 10.77.0.x/24, teardown
+in ``finally``) lives in ``src/phalanx_bench/netns.py`` so that ``phalanx bench
+multihost`` can use it without importing from tests/; see its docstring. This wrapper
+keeps the tests' API: ``with hosts(n) as nodes:`` skips the test, with the reason,
+where namespaces cannot be created.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
-import shutil
-import subprocess
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import pytest
 
-SUBNET = "10.77.0"
-_COUNTER = itertools.count()
-_IP_TIMEOUT_S = 10.0  # one iproute2 command; they take milliseconds
+from phalanx_bench.netns import (
+    SUBNET,
+    Host,
+    NetnsError,
+    NetnsUnavailable,
+    namespaces_of_this_run,
+    skip_reason,
+)
+from phalanx_bench.netns import hosts as _hosts
 
-
-class NetnsError(Exception):
-    """An iproute2 command of the harness failed: the command and its stderr."""
-
-
-def _ip(*args: str) -> None:
-    argv = ["ip", *args]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=_IP_TIMEOUT_S,
-                          check=False)
-    if done.returncode != 0:
-        raise NetnsError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
-
-
-def skip_reason() -> str | None:
-    """Why namespaces cannot be made here, or None."""
-    if shutil.which("ip") is None:
-        return "network namespaces need iproute2's `ip`, which is not installed"
-    if os.geteuid() != 0:
-        return "network namespaces need root (`ip netns add`); this runs as uid " \
-               f"{os.geteuid()}"
-    return None
-
-
-@dataclass
-class Host:
-    """One namespace: a host with its own address, and the processes started in it."""
-
-    name: str
-    addr: str
-    index: int
-    bridge_ns: str
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def _argv(self, argv: Sequence[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.name, *argv]
-
-    def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-              **kwargs: object) -> subprocess.Popen[bytes]:
-        """Start ``argv`` in this host's namespace (``ip netns exec`` execs it, so the
-        child's pid is the command's). Killed and reaped at teardown if still running."""
-        proc = subprocess.Popen(self._argv(argv), env=dict(env) if env is not None else None,
-                                **kwargs)  # type: ignore[call-overload]
-        self.procs.append(proc)
-        return proc
-
-    def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-            timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-        """Run ``argv`` here to completion; stdout and stderr captured as text."""
-        proc = self.popen(argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(),
-                                           err.decode())
-
-    def link_down(self) -> None:
-        """Cut this host off from every other host (its bridge port goes down)."""
-        _ip("-n", self.bridge_ns, "link", "set", f"v{self.index}", "down")
-
-    def link_up(self) -> None:
-        _ip("-n", self.bridge_ns, "link", "set", f"v{self.index}", "up")
-
-    def kill_all(self) -> list[str]:
-        """Kill and reap every process started here; what failed, as text."""
-        failures: list[str] = []
-        for proc in self.procs:
-            try:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait(timeout=10)
-                for stream in (proc.stdout, proc.stderr, proc.stdin):
-                    if stream is not None:
-                        stream.close()
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                failures.append(f"{self.name}: pid {proc.pid}: {exc}")
-        self.procs.clear()
-        return failures
+__all__ = ["SUBNET", "Host", "NetnsError", "hosts", "namespaces_of_this_run", "skip_reason"]
 
 
 @contextlib.contextmanager
 def hosts(n: int) -> Iterator[list[Host]]:
-    """``n`` hosts on one bridge; everything removed on the way out (see module doc)."""
-    reason = skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    if not 1 <= n <= 200:
-        raise ValueError(f"hosts(n): n must be 1-200, not {n}")
-    prefix = f"phx{os.getpid()}x{next(_COUNTER)}"
-    bridge_ns = f"{prefix}br"
-    made: list[str] = []  # namespaces, in creation order: each is deleted at teardown
-    nodes: list[Host] = []
+    """``n`` hosts on one bridge, removed on the way out; the test is skipped where
+    namespaces cannot be made."""
+    made = _hosts(n)
     try:
-        try:
-            _ip("netns", "add", bridge_ns)
-        except NetnsError as exc:
-            pytest.skip(f"cannot create a network namespace here: {exc}")
-        made.append(bridge_ns)
-        _ip("-n", bridge_ns, "link", "add", "br0", "type", "bridge")
-        _ip("-n", bridge_ns, "link", "set", "br0", "up")
-        _ip("-n", bridge_ns, "link", "set", "lo", "up")
-        for i in range(n):
-            name = f"{prefix}h{i}"
-            _ip("netns", "add", name)
-            made.append(name)
-            host = Host(name, f"{SUBNET}.{i + 1}", i, bridge_ns)
-            # both ends are born in the bridge's namespace; the host end moves at once
-            _ip("-n", bridge_ns, "link", "add", f"v{i}", "type", "veth", "peer", "name",
-                "eth0", "netns", name)
-            _ip("-n", bridge_ns, "link", "set", f"v{i}", "master", "br0")
-            _ip("-n", bridge_ns, "link", "set", f"v{i}", "up")
-            _ip("-n", name, "addr", "add", f"{host.addr}/24", "dev", "eth0")
-            _ip("-n", name, "link", "set", "eth0", "up")
-            _ip("-n", name, "link", "set", "lo", "up")
-            nodes.append(host)
+        nodes = made.__enter__()
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    # the body's exception goes to the harness's teardown, which re-raises it
+    with contextlib.ExitStack() as stack:
+        stack.push(made)
         yield nodes
-    finally:
-        failures: list[str] = []
-        for host in nodes:
-            failures += host.kill_all()
-        for name in reversed(made):
-            try:
-                _ip("netns", "del", name)
-            except (NetnsError, subprocess.TimeoutExpired) as exc:
-                failures.append(str(exc))
-        if failures:
-            raise NetnsError("tearing the namespaces down failed:\n  " + "\n  ".join(failures))
-
-
-def namespaces_of_this_run() -> list[str]:
-    """Namespaces whose name says this process made them (what teardown must remove)."""
-    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                          timeout=_IP_TIMEOUT_S, check=True)
-    mine = f"phx{os.getpid()}x"
-    return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(mine)]

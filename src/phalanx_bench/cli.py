@@ -19,6 +19,7 @@ _BENCHES: dict[str, str] = {
     "replication": "replication",
     "engine": "engine",
     "serve": "serve",
+    "multihost": "multihost",
 }
 
 
