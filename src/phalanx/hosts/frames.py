@@ -46,6 +46,7 @@ class Peer(msgspec.Struct, frozen=True):
     node_rank: int
     addr: str
     pid: int
+    port: int = 0  # its control port (node 0's is where the agents connect); 0: none
 
 
 class JoinFrame(msgspec.Struct, frozen=True):
@@ -56,6 +57,7 @@ class JoinFrame(msgspec.Struct, frozen=True):
     nnodes: int
     addr: str
     pid: int
+    port: int = 0  # as Peer.port
     proof: bytes = b""
 
 

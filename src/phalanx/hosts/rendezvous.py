@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -86,6 +86,7 @@ class NodeSpec:
     token: str
     addr: str | None = None  # advertised to the peers; None: the address facing the master
     timeout: float = 60.0  # for the whole rendezvous
+    port: int = 0  # this node's control port, told to the peers (node 0's: the agents')
 
     def __post_init__(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -112,6 +113,9 @@ class Membership:
     master: str
     peers: tuple[Peer, ...]
     store_keys_after: int | None  # node 0: keys left in the store at the end (0); else None
+    # node 0 with keep_store: the store itself, open for torch.distributed's groups (the
+    # server stops when the last reference goes); else None
+    store: Any = field(default=None, repr=False, compare=False)
 
 
 def local_addr_towards(host: str, port: int) -> str:
@@ -128,16 +132,17 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def rendezvous(spec: NodeSpec) -> Membership:
+def rendezvous(spec: NodeSpec, *, keep_store: bool = False) -> Membership:
     """Meet the other nodes (node 0 hosts the store); raise naming who failed and why.
 
     ``TokenMismatchError``: a node's proof of the token failed (named with its address,
     on node 0 and on that node; the others are told it was refused). ``HandshakeTimeoutError``
     (``.missing``: node ranks): not every node arrived within ``spec.timeout``.
-    ``RendezvousError``: anything else (the store unreachable, a bad frame, a rank taken)."""
+    ``RendezvousError``: anything else (the store unreachable, a bad frame, a rank taken).
+    ``keep_store`` (node 0): the store stays open in ``Membership.store``."""
     addr = spec.addr or local_addr_towards(spec.master_addr, spec.master_port)
     if spec.node_rank == 0:
-        return _Leader(spec, addr).run()
+        return _Leader(spec, addr).run(keep_store)
     return _follow(spec, addr)
 
 
@@ -161,7 +166,7 @@ class _Leader:
         self.verdicted: set[int] = set()  # ranks whose verdict is written
         self.read: set[int] = set()  # ranks whose join was read: each owes an ack
 
-    def run(self) -> Membership:
+    def run(self, keep_store: bool) -> Membership:
         from torch.distributed import DistError, TCPStore  # type: ignore[attr-defined]
 
         spec = self.spec
@@ -173,7 +178,8 @@ class _Leader:
             raise RendezvousError(f"node 0 could not host the store at {spec.master}: "
                                   f"{_first_line(exc)}") from exc
         try:
-            return self._meet(store)
+            membership = self._meet(store)
+            return replace(membership, store=store) if keep_store else membership
         except DistError as exc:
             raise RendezvousError(f"node 0: the store at {spec.master} failed mid-rendezvous: "
                                   f"{_first_line(exc)}") from exc
@@ -182,7 +188,7 @@ class _Leader:
 
     def _meet(self, store: Any) -> Membership:
         spec = self.spec
-        own = JoinFrame(VERSION, 0, spec.nnodes, self.addr, os.getpid())
+        own = JoinFrame(VERSION, 0, spec.nnodes, self.addr, os.getpid(), spec.port)
         self.joined[0] = own
         store.set(_NONCE, self.nonce)
         try:
@@ -190,7 +196,7 @@ class _Leader:
         except _Refusal as refusal:
             self._finish(store, refusal.code, str(refusal), refusal.missing)
             raise refusal.error from None
-        peers = [Peer(r, f.addr, f.pid) for r, f in sorted(self.joined.items())]
+        peers = [Peer(r, f.addr, f.pid, f.port) for r, f in sorted(self.joined.items())]
         self._finish(store, "admitted", "", [], peers)
         return Membership(spec.nnodes, 0, spec.master, tuple(peers), int(store.num_keys()))
 
@@ -316,7 +322,7 @@ def _follow(spec: NodeSpec, addr: str) -> Membership:
                                   f"began there (is it node 0 of this job?)") from exc
         nonce = bytes(store.get(_NONCE))
         frame = sign_join(spec.token, nonce,
-                          JoinFrame(VERSION, r, spec.nnodes, addr, os.getpid()))
+                          JoinFrame(VERSION, r, spec.nnodes, addr, os.getpid(), spec.port))
         data = encode(frame)
         held = bytes(store.compare_set(_join(r), "", data))
         if held != data:

@@ -1,0 +1,138 @@
+"""Node 0 of a multi-host test job, and the rank functions its tests send across hosts.
+
+Run in a namespace as ``python tests/hosts_job.py SCENARIO --nnodes N ...`` (the other
+nodes run ``python -m phalanx.hosts.agent``); prints JSON lines: ``{"event": ...}``.
+The rank functions are module-level so every host imports them by name
+(``hosts_job:where``), with ``tests/`` on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+# -- rank functions (run on every host) ------------------------------------------------
+
+def where(rank: int) -> dict[str, Any]:
+    return {"rank": rank, "pid": os.getpid(), "node_addr": os.environ.get("PHALANX_NODE_ADDR"),
+            "node_rank": os.environ.get("PHALANX_NODE_RANK")}
+
+
+def gloo_sum(store_addr: str, port: int, prefix: str, rank: int, world: int) -> float:
+    """Join a gloo group on the job's store, all-reduce rank + 1, leave it."""
+    import torch
+
+    from phalanx.hosts.dist import destroy, join_group
+
+    join_group(store_addr, port, prefix, rank, world, timeout=30.0)
+    try:
+        t = torch.tensor([float(rank + 1)])
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+        return float(t.item())
+    finally:
+        destroy()
+
+
+def hold(marker: str) -> str:
+    """Block until ``marker`` exists (the test never creates it for a host it kills)."""
+    deadline = time.monotonic() + 120.0
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "released"
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+class Opaque:
+    pass
+
+
+# -- node 0 ------------------------------------------------------------------------------
+
+def _emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def _basic(w: Any) -> None:
+    from phalanx.hosts import HostLostError  # noqa: F401  (the public name exists)
+
+    got = [w.call(r, "hosts_job:where", r, timeout=30) for r in w.ranks]
+    addr, port = w.store_address
+    futs = [w.submit(r, "hosts_job:gloo_sum", addr, port, "t/basic", r, len(w.ranks),
+                     timeout=60) for r in w.ranks]
+    sums = [f.result(timeout=90) for f in futs]
+    errors = {}
+    last = len(w.ranks) - 1
+    for name, call in (("main", lambda: w.submit(1, _local_only)),
+                       ("opaque", lambda: w.submit(1, "hosts_job:where", Opaque())),
+                       ("remote", lambda: w.call(last, "hosts_job:fail", "no such thing"))):
+        try:
+            call()
+            errors[name] = None
+        except Exception as exc:  # noqa: BLE001  reported to the test
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    _emit(event="done", where=got, sums=sums, errors=errors, nodes=w.nodes,
+          rendezvous_s=w.rendezvous_s, alive=w.alive_ranks())
+
+
+def _local_only() -> None:
+    """Defined where the test runs it as __main__: refused for other hosts."""
+
+
+def _hold(w: Any, marker: str) -> None:
+    futs = {r: w.submit(r, "hosts_job:hold", marker, timeout=120) for r in w.ranks}
+    _emit(event="holding")
+    outcome: dict[int, str] = {}
+    started = time.monotonic()
+    lost_at: list[float] = []
+    w.add_on_lost(lambda reason: lost_at.append(time.monotonic() - started))
+    for r, f in futs.items():
+        try:
+            outcome[r] = str(f.result(timeout=150))
+        except Exception as exc:  # noqa: BLE001  reported to the test
+            outcome[r] = f"{type(exc).__name__}: {exc}"
+    _emit(event="done", outcome=outcome, dead=w.dead, alive=w.alive_ranks())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["basic", "hold"])
+    p.add_argument("--nnodes", type=int, required=True)
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--master-addr", required=True)
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--marker", default="")
+    args = p.parse_args()
+    from phalanx.hosts import MultiHostWorker, NodeSpec
+
+    spec = NodeSpec(args.nnodes, 0, args.master_addr, args.master_port,
+                    os.environ["PHALANX_JOB_TOKEN"], timeout=30.0)
+    w = MultiHostWorker(spec, args.ranks_per_node, lost_after=3.0)
+    code = 0
+    try:
+        _emit(event="up", ranks=list(w.ranks))
+        if args.scenario == "basic":
+            _basic(w)
+        else:
+            _hold(w, args.marker)
+    finally:
+        try:
+            w.close()
+        except Exception as exc:  # noqa: BLE001  reported to the test
+            _emit(event="close_failed", error=str(exc))
+            code = 1
+    _emit(event="closed", threads=[t.name for t in threading.enumerate()])
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The multi-host Worker and the per-host agents (issue 16), on real network namespaces.
+
+Node 0 runs ``tests/hosts_job.py`` (a MultiHostWorker), every other node
+``python -m phalanx.hosts.agent``; each in a namespace of its own with its own address
+and runtime directory, so the hosts reach each other only over the veth links.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from netns import Host, hosts, namespaces_of_this_run
+
+PORT = 29410
+TOKEN = "test-job-token-16w"
+TESTS = Path(__file__).resolve().parent
+WAIT_S = 120.0  # guards a hang only: every wait inside has its own, shorter deadline
+
+
+def _env(host: Host, tmp: Path, token: str = TOKEN) -> dict[str, str]:
+    runtime = tmp / f"runtime-{host.index}"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    return {**os.environ, "PHALANX_JOB_TOKEN": token, "TORCH_CPP_LOG_LEVEL": "ERROR",
+            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+            "PHALANX_RUNTIME_DIR": str(runtime)}
+
+
+def _start(nodes: list[Host], tmp: Path, scenario: str, rpn: int = 1,
+           extra: list[str] | None = None) -> tuple[subprocess.Popen[bytes],
+                                                     list[subprocess.Popen[bytes]]]:
+    n, master = len(nodes), nodes[0].addr
+    common = ["--nnodes", str(n), "--master-addr", master, "--master-port", str(PORT),
+              "--ranks-per-node", str(rpn)]
+    head = nodes[0].popen([sys.executable, str(TESTS / "hosts_job.py"), scenario, *common,
+                           *(extra or [])], _env(nodes[0], tmp),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    agents = [h.popen([sys.executable, "-m", "phalanx.hosts.agent", *common, "--node-rank",
+                       str(i), "--lost-after", "3"], _env(h, tmp),
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+              for i, h in enumerate(nodes) if i > 0]
+    return head, agents
+
+
+def _events(proc: subprocess.Popen[bytes]) -> tuple[list[dict[str, Any]], str]:
+    out, err = proc.communicate(timeout=WAIT_S)
+    return [json.loads(line) for line in out.decode().splitlines() if line.strip()], err.decode()
+
+
+def _wait_event(proc: subprocess.Popen[bytes], name: str) -> dict[str, Any]:
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        assert line, f"node 0 ended before {name!r} (rc {proc.wait(WAIT_S)}): " \
+                     f"{proc.stderr.read().decode()[-3000:] if proc.stderr else ''}"
+        event = json.loads(line)
+        if event.get("event") == name:
+            return event
+
+
+def _check_basic(nodes: list[Host], tmp: Path, rpn: int) -> None:
+    head, agents = _start(nodes, tmp, "basic", rpn)
+    events, err = _events(head)
+    finals = [a.communicate(timeout=WAIT_S) for a in agents]
+    assert head.returncode == 0, (events, err[-3000:])
+    done = next(e for e in events if e["event"] == "done")
+    world = len(nodes) * rpn
+    assert [w["rank"] for w in done["where"]] == list(range(world))
+    # each rank ran on its own host: the address its agent gave it
+    assert [w["node_addr"] for w in done["where"]] == [nodes[r // rpn].addr
+                                                     for r in range(world)]
+    assert done["sums"] == [world * (world + 1) / 2] * world  # gloo across the hosts
+    assert "defined in __main__" in done["errors"]["main"]
+    assert "cannot cross hosts" in done["errors"]["opaque"]
+    remote = done["errors"]["remote"]
+    last = world - 1
+    assert remote == (f"RemoteError: rank {last} on node {len(nodes) - 1} "
+                      f"({nodes[-1].addr}): ValueError: no such thing")
+    for a, (_, aerr) in zip(agents, finals, strict=True):
+        assert a.returncode == 0, aerr.decode()[-2000:]
+        assert "node 0 closed the job" in aerr.decode()
+    closed = next(e for e in events if e["event"] == "closed")
+    assert [t for t in closed["threads"] if t.startswith("phalanx")] == []
+
+
+def test_three_hosts_run_named_functions_and_a_gloo_group(tmp_path: Path) -> None:
+    with hosts(3) as nodes:
+        _check_basic(nodes, tmp_path, rpn=1)
+    assert namespaces_of_this_run() == []
+
+
+def test_two_hosts_of_two_ranks(tmp_path: Path) -> None:
+    with hosts(2) as nodes:
+        _check_basic(nodes, tmp_path, rpn=2)
+
+
+def test_a_killed_host_fails_its_ranks_at_once_and_stops_the_job(tmp_path: Path) -> None:
+    marker = tmp_path / "release"  # never created: the tasks hold until the job ends
+    with hosts(3) as nodes:
+        head, agents = _start(nodes, tmp_path, "hold", extra=["--marker", str(marker)])
+        _wait_event(head, "holding")
+        killed_at = time.monotonic()
+        agents[1].send_signal(signal.SIGKILL)  # node 2's agent; its ranks die with it
+        events, _err = _events(head)
+        took = time.monotonic() - killed_at
+        done = next(e for e in events if e["event"] == "done")
+        assert "HostLostError" in done["outcome"]["2"], done
+        assert f"node 2 ({nodes[2].addr}), ranks [2], lost" in done["outcome"]["2"]
+        assert "node 2" in done["dead"]
+        _, aerr = agents[0].communicate(timeout=WAIT_S)
+        assert agents[0].returncode == 1  # the surviving host exits non-zero...
+        assert f"node 2 ({nodes[2].addr})" in aerr.decode()  # ...naming the lost node
+        assert took < 60, took  # bounded (the held tasks would run 120 s)
+
+
+def test_a_killed_head_stops_every_other_host(tmp_path: Path) -> None:
+    marker = tmp_path / "release"
+    with hosts(3) as nodes:
+        head, agents = _start(nodes, tmp_path, "hold", extra=["--marker", str(marker)])
+        _wait_event(head, "holding")
+        head.send_signal(signal.SIGKILL)
+        head.communicate(timeout=WAIT_S)
+        for a in agents:
+            _, aerr = a.communicate(timeout=WAIT_S)
+            assert a.returncode == 1, aerr.decode()[-2000:]
+            assert f"node 0 ({nodes[0].addr}" in aerr.decode() and "lost" in aerr.decode()
