@@ -10,6 +10,11 @@ the step ran (every rank loaded before the forward's collectives). A lookup the
 scheduler gives back (``unpin``: the request did not fit) is released with the next
 lookup.
 
+A load that fails on a rank (a record missing or corrupt there, an I/O error) is a
+miss, not an error: the ranks agree on it before the forward (``Runner._agree``), none
+runs the step, rank 0 still releases the leases, the scheduler recomputes what was to
+be loaded, and :meth:`DiskTier.load_failed` counts it and logs each rank's reason.
+
 Stores run on one background thread, in the order their steps ran: a step's
 ``PageSave`` staged the pages on every rank, ``saved(chain)`` queues the chain, the
 thread asks rank 0 to store it (rank 0 admits, makes room, replicates). The request
@@ -182,6 +187,16 @@ class DiskTier:
                                   "that no disk tier lookup holds")
             picked.append(held)
         return DiskLoads(self.cache.cache_id, self.page_tokens, self.fingerprint, picked)
+
+    def load_failed(self, plan: StepPlan, failures: dict[int, str]) -> None:
+        """``plan``'s loads failed on the ranks of ``failures`` (rank -> reason: record,
+        directory, errno); the step ran on no rank and its prefixes are recomputed."""
+        self.stats.load_failures += len(failures)
+        self.stats.pages_loaded -= sum(len(load.keys) for load in plan.loads)
+        for rank, why in sorted(failures.items()):
+            self.stats.last_error = f"load on rank {rank}: {why}"
+            log.warning("disk tier: step %d: the load of %d prefixes failed on rank %d "
+                        "(recomputed as a miss): %s", plan.step, len(plan.loads), rank, why)
 
     def wants(self, keys: Sequence[bytes], start: int) -> list[bool]:
         return [True] * (len(keys) - start)

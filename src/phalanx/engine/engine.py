@@ -280,6 +280,7 @@ class Engine:
         s = tier.stats
         return {"disk_tier_stores": s.stores, "disk_tier_store_failures": s.store_failures,
                 "disk_tier_pages_loaded": s.pages_loaded,
+                "disk_tier_load_failures": s.load_failures,
                 "disk_tier_maintenance_jobs": s.maintenance_jobs}
 
     def disk_records(self, timeout: float = 10.0) -> dict[str, dict[int, int]]:
@@ -334,6 +335,8 @@ class Engine:
         except Exception as exc:  # noqa: BLE001  any failure of a step kills the engine
             return outs + self._die(exc, plan.step)
         result = decode_result(raw)
+        if result.load_failures and self.disk_tier is not None:
+            self.disk_tier.load_failed(plan, result.load_failures)  # the step ran nowhere
         for s in self.scheduler.update(result):
             outs.append(self._advance(s))
         return outs

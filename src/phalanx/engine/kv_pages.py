@@ -13,7 +13,8 @@ Keys are the disk tier's hash chain (:mod:`phalanx.kvstore.keys`): a page's key 
 BLAKE2b of its parent's key and its tokens, keyed by the model fingerprint, so a memory
 page and a disk record of the same prefix share a key, and a key names its whole
 prefix. A page's key is set once, after the step that filled it ran (never while its KV
-is being written), and cleared when it is evicted.
+is being written), and cleared when it is evicted (or forgotten: a disk load
+that failed on a rank, :meth:`PagePool.forget`).
 
 Check, then commit: :meth:`PagePool.can_allocate` and :meth:`PagePool.match` read;
 :meth:`PagePool.allocate`, :meth:`PagePool.acquire` and :meth:`PagePool.release` commit.
@@ -139,6 +140,17 @@ class PagePool:
         self.key[page] = key
         self._cached[key] = page
         return True
+
+    def forget(self, page: int) -> None:
+        """Drop ``page``'s key: its KV is not what the key names (a disk load that failed
+        on a rank), so it is no hit; freed, it is allocated first."""
+        key = self.key[page]
+        if key is None:
+            return
+        del self._cached[key]
+        self.key[page] = None
+        if self.ref[page] == 0:
+            self._free.move_to_end(page, last=False)
 
     def reset(self) -> bool:
         """Forget every cached key (the memory tier), if no page is in use; else False."""

@@ -87,11 +87,16 @@ class StepPlan(msgspec.Struct, frozen=True):
 
 
 class StepResult(msgspec.Struct, frozen=True):
-    """Rank 0's answer to one step: the sampled token per sampling sequence."""
+    """Rank 0's answer to one step: the sampled token per sampling sequence.
+
+    ``load_failures`` (rank -> why) is set when a ``PageLoad`` failed on some rank: then
+    no rank ran the forward (they agreed before its first collective), ``tokens`` is
+    empty and the scheduler recomputes what the step loaded (``Scheduler.update``)."""
 
     step: int
     tokens: dict[int, int]                 # seq_id -> sampled token (rank 0 only)
     logprobs: dict[int, TokenLogprobs] = {}
+    load_failures: dict[int, str] = {}
 
 
 _plan_encoder = msgspec.msgpack.Encoder()

@@ -54,7 +54,9 @@ _CLOSE_WAIT_S = 60.0
 def _rank_execute(runner_id: str, plan: bytes, disk: Any = None) -> bytes | None:
     """One step on this rank. ``disk`` (a ``disk_tier.DiskLoads`` or None): the pages
     this step's ``PageLoad``s read from the disk tier, with rank 0's leases; this rank
-    reads its own shard of them straight from its store while executing the plan."""
+    reads its own shard of them straight from its store while executing the plan. A
+    read that fails on any rank is no error: every rank skips the forward and rank 0's
+    result says why (``StepResult.load_failures``); the leases are released either way."""
     from .plan import decode_plan, encode_result
     from .runner import get_runner
 
@@ -69,7 +71,8 @@ def _rank_execute(runner_id: str, plan: bytes, disk: Any = None) -> bytes | None
                 expect_loads(runner.tier, disk)
             result = runner.execute(decode_plan(plan))
             if disk is not None and rank == 0:
-                # every rank is past its loads: the forward's collectives came after them
+                # every rank is past its loads: the all-gather that agreed on them (and the
+                # forward's collectives, if it ran) came after them
                 from .disk_tier import release_leases
 
                 release_leases(disk.cache_id, disk.leases())

@@ -5,7 +5,10 @@ in the rank's service registry under ``engine.runner/<id>`` so the Worker's clos
 it) and executes the same :class:`~phalanx.engine.plan.StepPlan` in the same order:
 page copies, disk-tier loads into pages, the forward (its collectives), the staging of
 saved pages. Rank 0 samples and returns the tokens; other ranks return none. Nothing a
-rank holds locally changes which collectives it issues: the plan alone decides.
+rank holds locally changes which collectives it issues: the plan alone decides, and
+where a rank's own disk read fails, one all-gather of every rank's load report (after
+the loads, before the forward) makes every rank skip the forward together
+(``StepResult.load_failures``).
 
 A page's bytes on this rank are its K/V for every layer, layer-major
 (``kv[layer][page]`` one after another), ``Geometry.page_bytes`` long: what the disk
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..lifecycle import PhalanxError
 from ._errors import EngineError
 from .attention import build_meta
 from .config import ModelConfig, load_config
@@ -34,6 +38,9 @@ if TYPE_CHECKING:
 __all__ = ["PageTier", "Runner", "close_runner", "get_runner", "open_runner"]
 
 _SERVICE = "engine.runner/{}"
+# bytes of each rank's load report in the agreement's all-gather (zeros: loaded); a
+# longer reason is cut, the parent logs what arrives
+_REPORT_BYTES = 512
 
 
 class PageTier(Protocol):
@@ -145,7 +152,12 @@ class Runner:
     # -- one step ---------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run ``plan``: copies, loads, forward, saves; rank 0 samples."""
+        """Run ``plan``: copies, loads, forward, saves; rank 0 samples. If a load failed
+        on any rank, no rank runs the forward or the saves: the result carries every
+        failed rank's reason and no tokens."""
+        failures = self._prepare(plan)
+        if failures:
+            return StepResult(step=plan.step, tokens={}, load_failures=failures)
         hidden, rows, specs, seqs = self._step(plan, sample_only=True)
         tokens: dict[int, int] = {}
         logprobs: dict[int, TokenLogprobs] = {}
@@ -165,6 +177,9 @@ class Runner:
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """Float32 logits of every token of the plan, in token order (for oracle tests)."""
+        failures = self._prepare(plan)
+        if failures:
+            raise EngineError(f"step {plan.step}: disk loads failed: {failures}")
         hidden, _, _, _ = self._step(plan, sample_only=False)
         self._saves(plan)
         return self._logits(hidden)
@@ -179,22 +194,50 @@ class Runner:
         step = getattr(self.comm, "step", None)
         return step() if step is not None else contextlib.nullcontext()
 
-    def _step(self, plan: StepPlan, sample_only: bool
-              ) -> tuple[torch.Tensor, list[int], list[SamplingSpec], list[int]]:
+    def _prepare(self, plan: StepPlan) -> dict[int, str]:
+        """The plan's copies and disk loads; {} when every rank loaded every page, else
+        each failed rank's reason (the same on every rank: see _agree)."""
         if self.closed:
             raise EngineError(f"rank {self.comm.rank}: the runner was closed")
         for src, dst in plan.copies:
             self._check_pages([src, dst])
             for layer in self.kv:
                 layer[dst] = layer[src]
+        if not plan.loads:
+            return {}  # the same on every rank: no agreement, no collective
+        if self.tier is None:
+            raise EngineError(f"rank {self.comm.rank}: step {plan.step} loads "
+                              f"{len(plan.loads[0].keys)} pages but this runner has no "
+                              "disk tier")
+        why = ""
         for load in plan.loads:
-            if self.tier is None:
-                raise EngineError(f"rank {self.comm.rank}: step {plan.step} loads "
-                                  f"{len(load.keys)} pages but this runner has no disk tier")
             self._check_pages(load.page_ids)
             buf = self._load_buffer(len(load.keys))
-            self.tier.load(list(load.keys), buf)
+            try:
+                self.tier.load(list(load.keys), buf)
+            except (PhalanxError, OSError) as exc:
+                # a record missing, corrupt or unreadable on this rank: a miss, decided
+                # with the other ranks below (the pages this rank has are not written)
+                why = f"{type(exc).__name__}: {exc}"
+                break
             self.write_pages(load.page_ids, buf)
+        return self._agree(why)
+
+    def _agree(self, why: str) -> dict[int, str]:
+        """Every rank's load report (rank -> reason, failed ranks only), by one all-gather
+        of a fixed-size report: every rank sees the same answer, so all of them run the
+        forward or none does, and its collectives stay in step."""
+        report = torch.zeros(1, _REPORT_BYTES, dtype=torch.uint8)
+        if why:
+            data = why.encode()[:_REPORT_BYTES]
+            report[0, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        with self._collectives():
+            every = self.comm.all_gather(report.to(self.device)).cpu()
+        return {r: bytes(row.numpy()).rstrip(b"\0").decode(errors="replace")
+                for r, row in enumerate(every) if bool(row.any())}
+
+    def _step(self, plan: StepPlan, sample_only: bool
+              ) -> tuple[torch.Tensor, list[int], list[SamplingSpec], list[int]]:
         if not plan.chunks:
             return torch.empty(0, self.cfg.hidden_size), [], [], []
         ids: list[int] = []

@@ -22,6 +22,14 @@ disk is keyed at once, since loads run before the forward), unpins the disk tier
 pages, and appends the sampled tokens. Finishing (EOS, stops, max_tokens) is
 the engine loop's decision: it calls :meth:`Scheduler.finish`.
 
+A step whose disk loads failed on some rank did not run on any rank
+(``StepResult.load_failures``): :meth:`Scheduler.update` undoes it. The pages it loaded
+lose their keys (their KV is not what the key says on every rank), every sequence of
+the step keeps only what it had computed or found in memory before the step (its
+running state cut back to the first page the step loaded), and the next step computes
+the rest: the loads became misses. The sequences stay running, so they do not ask the
+disk tier again.
+
 Invariants (checked at the end of every schedule and update when ``check_invariants``):
 ref counts equal block-table holdings, the free list is the unreferenced pages, waiting
 sequences hold no pages, each running block table covers exactly its computed tokens
@@ -139,6 +147,10 @@ class _Scheduled:
     sample: bool
     loaded: list[bytes]
     saved_upto: int = 0      # chain pages through the last page this step stages
+    load_pages: tuple[int, ...] = ()   # the pages its PageLoad fills
+    # admitted by this step: (first admission, prompt tokens counted as memory hits), to
+    # count the admission again if the step's loads fail
+    admitted: tuple[bool, int] | None = None
 
 
 def _pages_for(tokens: int, pt: int) -> int:
@@ -317,19 +329,30 @@ class Scheduler:
             for page, key in zip(fresh[:d], loaded, strict=True):
                 self.pool.register(page, key)
         seq.num_registered = m + d
-        counters = self.pool.counters
-        if seq.take_first_admit():
-            seq.cached_memory = m * pt
-            seq.cached_disk = d * pt
-            counters.prompt_memory += min(m * pt, seq.num_prompt)
-            counters.prompt_disk += min(computed, seq.num_prompt) - min(m * pt, seq.num_prompt)
-            counters.prompt_computed += max(0, seq.num_prompt - computed)
-        else:
-            counters.recomputed += total - computed
+        first = seq.take_first_admit()
+        self._count_admit(seq, first, m * pt, computed)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         self._emit(seq, n, list(loaded), scheduled, chunks, saves)
+        scheduled[-1].load_pages = tuple(fresh[:d])
+        scheduled[-1].admitted = (first, m * pt)
         return True
+
+    def _count_admit(self, seq: Sequence, first: bool, memory: int, computed: int,
+                     sign: int = 1) -> None:
+        """Count an admission that found ``memory`` tokens in memory and ``computed`` in
+        all (``sign`` -1: take it back)."""
+        counters = self.pool.counters
+        p = seq.num_prompt
+        if first:
+            if sign > 0:
+                seq.cached_memory = memory
+                seq.cached_disk = computed - memory
+            counters.prompt_memory += sign * min(memory, p)
+            counters.prompt_disk += sign * (min(computed, p) - min(memory, p))
+            counters.prompt_computed += sign * max(0, p - computed)
+        else:
+            counters.recomputed += sign * (len(seq) - computed)
 
     def _emit(
         self, seq: Sequence, n: int, loaded: list[bytes], scheduled: list[_Scheduled],
@@ -396,6 +419,9 @@ class Scheduler:
                 f"result of step {result.step}, but step {self._step} is "
                 f"{'in flight' if scheduled is not None else 'not in flight'}"
             )
+        if result.load_failures:
+            self._undo_loads(scheduled)
+            return []
         pt = self.config.page_tokens
         out: list[Sampled] = []
         for s in scheduled:
@@ -425,6 +451,35 @@ class Scheduler:
         if self.config.check_invariants:
             self._check([])
         return out
+
+    def _undo_loads(self, scheduled: list[_Scheduled]) -> None:
+        """The step in flight ran on no rank (a disk load failed on one): see the module
+        docstring. Its loaded pages are forgotten, and every sequence is cut back to its
+        pages before the first one the step loaded (or allocated for it)."""
+        pt = self.config.page_tokens
+        tainted = {p for s in scheduled for p in s.load_pages}
+        for p in tainted:
+            self.pool.forget(p)
+        for s in scheduled:
+            seq = s.seq
+            if s.loaded and self.tier is not None:
+                self.tier.unpin(s.loaded)
+            keep = _pages_for(seq.num_computed, pt)
+            # a later admission of the step may hold another's loaded pages as hits
+            keep = next((i for i, p in enumerate(seq.block_table[:keep]) if p in tainted),
+                        keep)
+            old = seq.num_computed
+            seq.num_computed = min(old, keep * pt)
+            seq.num_registered = min(seq.num_registered, keep)
+            self.pool.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+            if s.admitted is not None:
+                first, memory = s.admitted
+                self._count_admit(seq, first, memory, old, sign=-1)
+                self._count_admit(seq, first, seq.num_computed, seq.num_computed)
+        self._inflight = None
+        if self.config.check_invariants:
+            self._check([])
 
     def fail_inflight(self) -> list[Sequence]:
         """Drop the step in flight (the ranks failed it); returns every live sequence."""

@@ -20,12 +20,14 @@ process, kept in the rank's services under ``engine.staging``.
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..lifecycle import PhalanxError
 from ._errors import EngineError
 
 if TYPE_CHECKING:
@@ -109,7 +111,18 @@ class PageStaging:
         # the store reads a prefix from its first page: pages already in memory (before
         # ``start``) are read into a scratch buffer and dropped
         dst = out.numpy() if d.start == 0 else aligned_empty(n * self.page_bytes)
-        rank_cache(disk.cache_id).load_many([(chain, n, dst)], d.lease)
+        cache = rank_cache(disk.cache_id)
+        try:
+            cache.load_many([(chain, n, dst)], d.lease)
+        except (PhalanxError, OSError) as exc:
+            # the runner turns this into a miss agreed by every rank; say which record,
+            # where and why (the errno of the system call, when one failed)
+            code = _errno_of(exc)
+            why = f"errno {code} ({errno.errorcode.get(code, '?')})" if code else "no errno"
+            raise EngineError(
+                f"rank {self.rank}: disk tier load of pages {d.start}..{n} of prefix "
+                f"{d.keys[-1].hex()} from {cache.store.directory} failed, {why}: "
+                f"{exc}") from exc
         if d.start:
             out.numpy()[:] = np.frombuffer(dst, dtype=np.uint8)[
                 d.start * self.page_bytes:].reshape(n - d.start, self.page_bytes)
@@ -147,6 +160,17 @@ class PageStaging:
         with self._lock:
             self._staged.clear()
             self._loaded.clear()
+
+
+def _errno_of(exc: BaseException) -> int | None:
+    """The errno of the first OSError in ``exc``'s chain of causes (None if there is
+    none: a checksum that failed, a record not in the index)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return seen.errno
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def expect_loads(tier: object, disk: DiskLoads) -> None:
