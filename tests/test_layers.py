@@ -36,7 +36,7 @@ LEVEL = {
     "rendezvous": 1,
     "runtime": 2,
     "comm": 3,
-    "hosts": 3,  # issue 16: above rendezvous and runtime; a peer of comm for now
+    "hosts": 4,  # issue 16: each host runs a comm Worker; a peer of replication
     "replication": 4,
     "engine": 5,
     "surface": 6,

@@ -14,6 +14,7 @@ same error; :meth:`Engine.close` still releases everything.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -112,7 +113,9 @@ class Engine:
 
     def __init__(self, config: EngineConfig, tokenizer: TokenizerLike | None = None,
                  tier: PrefixTier | None = None,
-                 eos_token_ids: Sequence[int] | None = None) -> None:
+                 eos_token_ids: Sequence[int] | None = None, hosts: Any = None) -> None:
+        """``hosts``: a :class:`~phalanx.hosts.MultiHostWorker` whose ranks are the TP
+        ranks (several hosts, over torch.distributed); None: ranks on this host."""
         from .config import load_config
 
         self.config = config
@@ -145,9 +148,14 @@ class Engine:
         if config.dtype is not None:
             kwargs["dtype"] = config.dtype
         disk = config.prefix_cache_disk
-        self.group = RankGroup(config.model, tp, kwargs, step_timeout=config.step_timeout,
-                               start_timeout=config.start_timeout, seed=config.seed,
-                               staging=disk is not None and tier is None)
+        group_type: Any = RankGroup
+        if hosts is not None:
+            from .host_ranks import HostRankGroup
+
+            group_type = functools.partial(HostRankGroup, hosts)
+        self.group = group_type(config.model, tp, kwargs, step_timeout=config.step_timeout,
+                                start_timeout=config.start_timeout, seed=config.seed,
+                                staging=disk is not None and tier is None)
         self.disk_tier: DiskTier | None = None
         self.disk_cache: Any = None
         if disk is not None and tier is None:
@@ -253,7 +261,11 @@ class Engine:
         engine notices a death too), or None while every rank is alive."""
         alive = set(self.group.worker.alive_ranks())
         lost = sorted(set(range(self.group.tp)) - alive)
-        return f"rank(s) {lost} of {self.group.tp} died" if lost else None
+        if not lost:
+            return None
+        # a multi-host job says which node went and why (MultiHostWorker.dead)
+        why = getattr(self.group.worker, "dead", None)
+        return f"rank(s) {lost} of {self.group.tp} died" + (f": {why}" if why else "")
 
     def stats(self) -> dict[str, Any]:
         """Gauges and counters for a server's metrics (cheap: no call into the ranks)."""

@@ -67,7 +67,7 @@ class HostAgent:
         self._runtime_dir, self._env = runtime_dir, env
         self.addr = spec.addr or local_addr_towards(spec.master_addr, spec.master_port)
         self.me = f"node {spec.node_rank} ({self.addr})"
-        self._exit: AgentExit | None = None
+        self._ending: AgentExit | None = None
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._reported: set[int] = set()
@@ -92,7 +92,7 @@ class HostAgent:
             watch.join(self._heartbeat * 4 + 5)
         finally:
             errors = ""
-            failed = self._exit is None or self._exit.code != 0
+            failed = self._ending is None or self._ending.code != 0
             try:  # a failed job's tasks wait on lost ranks: a short grace, then killed
                 local.close(min(close_timeout, _FAILED_GRACE_S) if failed else None)
             except Exception as exc:  # noqa: BLE001  told to node 0, and in the exit
@@ -103,7 +103,7 @@ class HostAgent:
                 except ChannelClosedError:
                     pass  # node 0 is gone: nobody to tell
                 channel.close()
-        ex = self._exit or AgentExit(1, f"{self.me}: stopped without a reason")
+        ex = self._ending or AgentExit(1, f"{self.me}: stopped without a reason")
         if errors:
             ex = AgentExit(1, f"{ex.reason}; {errors}")
         return ex
@@ -186,8 +186,8 @@ class HostAgent:
 
     def _end(self, code: int, reason: str) -> None:
         with self._lock:
-            if self._exit is None:
-                self._exit = AgentExit(code, reason)
+            if self._ending is None:
+                self._ending = AgentExit(code, reason)
         self._done.set()
 
 

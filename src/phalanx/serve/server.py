@@ -78,7 +78,7 @@ def _disk_dir(cfg: ServerConfig) -> str | None:
     return str(path)
 
 
-def _starter(cfg: ServerConfig, model_dir: Path, name: str
+def _starter(cfg: ServerConfig, model_dir: Path, name: str, hosts: Any = None
              ) -> Callable[[Callable[[BaseException], None]], EngineDriver]:
     def start(on_death: Callable[[BaseException], None]) -> EngineDriver:
         from phalanx.engine import Engine, EngineConfig
@@ -92,21 +92,23 @@ def _starter(cfg: ServerConfig, model_dir: Path, name: str
             prefix_cache_disk=_disk_dir(cfg),
             prefix_cache_disk_bytes=cfg.prefix_cache_disk_bytes,
             prefix_cache_max_age=cfg.prefix_cache_max_age,
-        ), tokenizer, eos_token_ids=None)
+        ), tokenizer, eos_token_ids=None, hosts=hosts)
         return EngineDriver(engine, tokenizer, name,
                             max_pending=cfg.max_num_seqs + cfg.max_waiting, on_death=on_death)
     return start
 
 
-def run_server(cfg: ServerConfig, *, ready: Callable[[str], None] | None = None) -> int:
-    """Serve until a signal (exit 0) or a fatal engine death (exit 1)."""
+def run_server(cfg: ServerConfig, *, ready: Callable[[str], None] | None = None,
+               hosts: Any = None) -> int:
+    """Serve until a signal (exit 0) or a fatal engine death (exit 1). ``hosts``: node 0's
+    :class:`~phalanx.hosts.MultiHostWorker` when the ranks span hosts (serve/multihost.py)."""
     import uvicorn
 
     model_dir = _model_dir(cfg)
     name = cfg.served_model_name or _served_name(model_dir)
     state = _RunState()
     with _signals_stop(state):  # from the start: a signal during start-up stops it too
-        supervisor = Supervisor(_starter(cfg, model_dir, name), restart=cfg.restart,
+        supervisor = Supervisor(_starter(cfg, model_dir, name, hosts), restart=cfg.restart,
                                 max_restarts=cfg.max_restarts, on_fatal=state.fatal)
         try:
             if state.stop_requested:

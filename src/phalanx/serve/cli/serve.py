@@ -60,12 +60,20 @@ def _embedded(size: str) -> str:
               help="exit non-zero when a rank dies instead of restarting the ranks")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
               help="seconds in-flight requests get at SIGTERM")
+@click.option("--nnodes", default=1, show_default=True, type=int,
+              help="hosts the ranks span (each runs tp / nnodes ranks)")
+@click.option("--node-rank", default=0, show_default=True, type=int,
+              help="this host's rank: 0 serves HTTP, the others run headless")
+@click.option("--master-addr", default="127.0.0.1", show_default=True,
+              help="node 0's address (the job's rendezvous and store)")
+@click.option("--master-port", default=29500, show_default=True, type=int)
 def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | None,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int,
           max_num_batched_tokens: int, max_waiting: int, dtype: str, kv_cache_size: str,
           prefix_cache_disk: str | None, prefix_cache_disk_size: str,
           prefix_cache_max_age: float | None, no_prefix_cache_disk: bool, model_size: str,
-          no_restart: bool, shutdown_timeout: float) -> None:
+          no_restart: bool, shutdown_timeout: float, nnodes: int, node_rank: int,
+          master_addr: str, master_port: int) -> None:
     """Serve MODEL_DIR (a Hugging Face checkpoint; the embedded model by default) over an
     OpenAI-compatible HTTP API, tensor-parallel across rank processes, with a prefix cache
     kept in memory and on disk (identical on every rank, alive across restarts)."""
@@ -75,6 +83,10 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
         raise click.BadParameter(f"{tp}: must be >= 1", param_hint="--tensor-parallel-size")
     if prefix_cache_disk and no_prefix_cache_disk:
         raise click.UsageError("--prefix-cache-disk and --no-prefix-cache-disk contradict")
+    if nnodes > 1 and prefix_cache_disk:
+        raise click.UsageError("--prefix-cache-disk with --nnodes > 1: the disk tier does "
+                               "not span hosts yet; serve with the memory tier")
+    no_prefix_cache_disk = no_prefix_cache_disk or nnodes > 1
     cfg = ServerConfig(
         model=model_dir or _embedded(model_size), tensor_parallel_size=tp, host=host,
         port=port, api_key=api_key or None, served_model_name=served_model_name,
@@ -87,4 +99,8 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
         shutdown_timeout=shutdown_timeout,
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if nnodes > 1:
+        from phalanx.serve.multihost import JobSpec, serve_job
+
+        sys.exit(serve_job(cfg, JobSpec(nnodes, node_rank, master_addr, master_port)))
     sys.exit(run_server(cfg))

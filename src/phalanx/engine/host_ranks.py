@@ -1,0 +1,166 @@
+"""The TP ranks of an engine whose ranks live on several hosts.
+
+:class:`HostRankGroup` is :class:`~phalanx.engine.ranks.RankGroup`'s counterpart over a
+:class:`~phalanx.hosts.MultiHostWorker`: the same methods, so the engine and its
+scheduler do not know how many hosts there are. The ranks form one torch.distributed
+group (gloo on CPU, NCCL where the runner is on CUDA) on the job's ``TCPStore`` under a
+prefix of this group's own, and TP's collectives run on it (``TorchDistComm``); the
+control plane carries only each step's plan to every rank and rank 0's result back,
+as typed bytes (the plan and result encodings of :mod:`phalanx.engine.plan`).
+
+A lost host or rank fails the step in progress at once (the multi-host Worker fails every
+outstanding task of the job), and the group is dead from then on.
+
+Not yet across hosts: the disk tier (its replication links are same-host today), so
+an engine over hosts is refused with ``prefix_cache_disk`` set.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+from ._errors import EngineError
+
+__all__ = ["HostRankGroup", "close_rank", "open_rank"]
+
+log = logging.getLogger("phalanx.engine")
+T = TypeVar("T")
+_ids = itertools.count(1)
+
+
+# -- the rank side (named by module:function: the control plane imports them) ------------
+
+def open_rank(runner_id: str, model_dir: str, kwargs: dict[str, Any], seed: int,
+              store_addr: str, store_port: int, prefix: str, rank: int, world: int,
+              ranks_here: int, timeout: float) -> dict[str, Any]:
+    """Join the TP group and open this rank's runner; its memory report."""
+    import torch
+
+    from phalanx.hosts.dist import destroy, join_group
+
+    from .runner import open_runner
+    from .tp import TorchDistComm
+
+    if not os.path.isdir(model_dir):
+        raise EngineError(f"rank {rank}: the model directory {model_dir} does not exist on "
+                          f"this host: give every node the same MODEL_DIR")
+    torch.manual_seed(seed)
+    group = join_group(store_addr, store_port, prefix, rank, world, timeout)
+    try:
+        # this host's cores are shared by its own ranks only
+        threads = max(1, len(os.sched_getaffinity(0)) // max(1, ranks_here))
+        runner = open_runner(runner_id, model_dir, TorchDistComm(group), threads=threads,
+                             **kwargs)
+    except BaseException:
+        destroy()
+        raise
+    return runner.memory()
+
+
+def close_rank(runner_id: str) -> None:
+    from phalanx.hosts.dist import destroy
+
+    from .ranks import _rank_close
+
+    try:
+        _rank_close(runner_id)
+    finally:
+        destroy()
+
+
+# -- node 0's side ----------------------------------------------------------------------
+
+class HostRankGroup:
+    """The TP ranks of a multi-host job; see the module docstring."""
+
+    def __init__(self, hosts: Any, model_dir: str, tp: int, runner_kwargs: dict[str, Any], *,
+                 step_timeout: float, start_timeout: float, seed: int,
+                 staging: bool = False) -> None:
+        if staging:
+            raise EngineError("the disk tier across hosts is not built yet: serve a job of "
+                              "several hosts with --no-prefix-cache-disk (memory tier only)")
+        if tp != len(hosts.ranks):
+            raise EngineError(f"tensor_parallel_size={tp} but the job has "
+                              f"{len(hosts.ranks)} ranks ({len(hosts.nodes)} nodes x "
+                              f"{hosts.ranks_per_node}): TP spans every rank of the job")
+        self.tp = tp
+        self.worker = hosts
+        self.runner_id = f"engine_hosts_{os.getpid()}_{next(_ids)}"
+        self._step_timeout = step_timeout
+        self.dead: BaseException | None = None
+        self._opened = False
+        addr, port = hosts.store_address
+        prefix = f"phx/tp/{self.runner_id}"
+        futs = [hosts.submit(r, open_rank, self.runner_id, model_dir, runner_kwargs, seed,
+                             addr, port, prefix, r, tp, hosts.ranks_per_node, start_timeout,
+                             timeout=start_timeout + 30) for r in hosts.ranks]
+        try:
+            self.memory: list[dict[str, Any]] = self._gather(futs, start_timeout + 60)
+        except BaseException as exc:
+            self.dead = exc
+            self._close_opened(futs)
+            raise
+        self._opened = True
+
+    def _gather(self, futs: list[concurrent.futures.Future[Any]], timeout: float) -> list[Any]:
+        """Every result, or the first failure at once (not when the slowest rank ends)."""
+        done, pending = concurrent.futures.wait(
+            futs, timeout=timeout, return_when=concurrent.futures.FIRST_EXCEPTION)
+        for f in futs:
+            if f in done and f.exception() is not None:
+                raise cast(BaseException, f.exception())
+        if pending:
+            raise EngineError(f"ranks {[i for i, f in enumerate(futs) if f in pending]} did "
+                              f"not answer within {timeout:g}s")
+        return [f.result() for f in futs]
+
+    def execute(self, plan: bytes, disk: Any = None) -> bytes:
+        """Run one encoded plan on every rank; rank 0's encoded result."""
+        if self.dead is not None:
+            raise self.dead
+        if disk is not None:
+            raise EngineError("disk loads across hosts: not built (see module docstring)")
+        futs = [self.worker.submit(r, "phalanx.engine.ranks:_rank_execute", self.runner_id,
+                                   plan, None, timeout=self._step_timeout)
+                for r in self.worker.ranks]
+        try:
+            outs = self._gather(futs, self._step_timeout + 30)
+        except BaseException as exc:
+            self.dead = exc
+            raise
+        return bytes(outs[0])
+
+    def on_rank0(self, fn: Callable[..., T], *args: Any) -> T:
+        return cast(T, self.worker.call(0, fn, *args, timeout=self._step_timeout))
+
+    def wait_quiet(self, gap: float, timeout: float) -> bool:
+        return True  # no background work across hosts yet (the disk tier is same-host)
+
+    def _close_opened(self, futs: list[concurrent.futures.Future[Any]]) -> None:
+        concurrent.futures.wait(futs, timeout=self._step_timeout)
+        opened = [r for r, f in enumerate(futs) if f.done() and f.exception() is None]
+        self._close_ranks(opened)
+
+    def _close_ranks(self, ranks: list[int]) -> None:
+        if self.worker.dead is not None:
+            return  # the job is over: its agents stop the ranks, runners and all
+        closing = [self.worker.submit(r, close_rank, self.runner_id, timeout=60)
+                   for r in ranks]
+        for r, f in zip(ranks, closing, strict=True):
+            try:
+                f.result(timeout=90)
+            except Exception as exc:  # noqa: BLE001  reported, the others still closed
+                log.warning("engine: closing the runner on rank %d: %s", r, exc)
+
+    def close(self, timeout: float = 60.0) -> None:
+        started = time.monotonic()
+        if self._opened:
+            self._opened = False
+            self._close_ranks(list(self.worker.ranks))
+        log.debug("engine: host rank group closed in %.2fs", time.monotonic() - started)
