@@ -65,11 +65,14 @@ def _emit(**fields: Any) -> None:
 def _basic(w: Any) -> None:
     from phalanx.hosts import HostLostError  # noqa: F401  (the public name exists)
 
+    keys_before = w.store_keys()
     got = [w.call(r, "hosts_job:where", r, timeout=30) for r in w.ranks]
     addr, port = w.store_address
     futs = [w.submit(r, "hosts_job:gloo_sum", addr, port, "t/basic", r, len(w.ranks),
                      timeout=60) for r in w.ranks]
     sums = [f.result(timeout=90) for f in futs]
+    keys_after = w.store_keys()
+    dropped = w.drop_group_keys("t/basic")
     errors = {}
     last = len(w.ranks) - 1
     for name, call in (("main", lambda: w.submit(1, _local_only)),
@@ -81,7 +84,8 @@ def _basic(w: Any) -> None:
         except Exception as exc:  # noqa: BLE001  reported to the test
             errors[name] = f"{type(exc).__name__}: {exc}"
     _emit(event="done", where=got, sums=sums, errors=errors, nodes=w.nodes,
-          rendezvous_s=w.rendezvous_s, alive=w.alive_ranks())
+          rendezvous_s=w.rendezvous_s, alive=w.alive_ranks(), keys=[keys_before, keys_after,
+                                                                 dropped, w.store_keys()])
 
 
 def _local_only() -> None:

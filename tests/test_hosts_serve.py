@@ -199,3 +199,17 @@ def test_a_partition_during_decode_fails_within_the_timeout(tmp_path: Path,
         assert servers[2].wait_exit() == 1
         assert time.monotonic() - cut < 90  # lost_after (5 s) plus a margin, not a hang
         nodes[1].link_up()
+        # the link back and the job restarted (as a supervisor would): it serves again
+        _serve_and_check(nodes, tmp_path, model_dir, tp=3)
+
+
+def test_a_killed_head_ends_the_job_on_every_host(tmp_path: Path, model_dir: Path) -> None:
+    with hosts(3) as nodes:
+        servers = _start(nodes, tmp_path, model_dir, tp=3)
+        servers[0].wait_line("ready at")
+        killed = time.monotonic()
+        servers[0].proc.send_signal(signal.SIGKILL)  # node 0 and, with it, its rank
+        for s in servers[1:]:  # the others exit within a bound instead of waiting forever
+            assert s.wait_exit() == 1, s.text()[-3000:]
+            assert f"node 0 ({nodes[0].addr}" in s.text() and "lost" in s.text()
+        assert time.monotonic() - killed < 60

@@ -85,6 +85,9 @@ def _check_basic(nodes: list[Host], tmp: Path, rpn: int) -> None:
     for a, (_, aerr) in zip(agents, finals, strict=True):
         assert a.returncode == 0, aerr.decode()[-2000:]
         assert "node 0 closed the job" in aerr.decode()
+    # the rendezvous left no key; the group's keys go with the group
+    before, during, dropped, after = done["keys"]
+    assert before == 0 and during == dropped > 0 and after == 0
     closed = next(e for e in events if e["event"] == "closed")
     assert [t for t in closed["threads"] if t.startswith("phalanx")] == []
 

@@ -96,7 +96,7 @@ class HostRankGroup:
         self.dead: BaseException | None = None
         self._opened = False
         addr, port = hosts.store_address
-        prefix = f"phx/tp/{self.runner_id}"
+        prefix = self._prefix = f"phx/tp/{self.runner_id}"
         futs = [hosts.submit(r, open_rank, self.runner_id, model_dir, runner_kwargs, seed,
                              addr, port, prefix, r, tp, hosts.ranks_per_node, start_timeout,
                              timeout=start_timeout + 30) for r in hosts.ranks]
@@ -163,4 +163,6 @@ class HostRankGroup:
         if self._opened:
             self._opened = False
             self._close_ranks(list(self.worker.ranks))
+            if self.worker.dead is None:  # every rank left the group: its keys go too
+                self.worker.drop_group_keys(self._prefix)
         log.debug("engine: host rank group closed in %.2fs", time.monotonic() - started)

@@ -357,6 +357,23 @@ class MultiHostWorker:
         """Where the job's TCPStore listens (torch.distributed groups form there)."""
         return self.spec.master_addr, self.spec.master_port
 
+    def store_keys(self) -> int:
+        """Keys in the job's store now (the rendezvous leaves none; each torch.distributed
+        group formed on it leaves the keys its backend wrote under its prefix)."""
+        assert self.membership is not None
+        return int(self.membership.store.num_keys())
+
+    def drop_group_keys(self, prefix: str) -> int:
+        """Delete the store keys of a torch.distributed group formed under ``prefix``,
+        once every rank has left it (``destroy_process_group``), so the store holds only
+        what is live however many groups come and go; how many were deleted."""
+        assert self.membership is not None
+        store = self.membership.store
+        mine = [k for k in store.list_keys() if k.startswith(prefix.rstrip("/") + "/")]
+        for k in mine:
+            store.delete_key(k)
+        return len(mine)
+
     @property
     def nodes(self) -> list[tuple[int, str]]:
         assert self.membership is not None
