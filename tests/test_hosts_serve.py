@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -84,6 +85,20 @@ class Node:
         return "\n".join(self.out)
 
 
+def _readme_command(model: Path, tp: int, n: int, rank: int, master: str) -> list[str]:
+    """The README's multi-host command (so the README's example is what runs here)."""
+    text = (TESTS.parent / "README.md").read_text()
+    (line,) = [x for x in text[text.index("## Several hosts"):].splitlines()
+               if x.startswith("phalanx serve MODEL_DIR")]
+    for old, new in (("MODEL_DIR", str(model)), ("--tp 3", f"--tp {tp}"),
+                     ("--nnodes 3", f"--nnodes {n}"), ("--node-rank 0", f"--node-rank {rank}"),
+                     ("10.0.0.1", master), ("29500", str(PORT))):
+        assert old in line, (old, line)
+        line = line.replace(old, new)
+    argv = shlex.split(line)
+    return [sys.executable, "-m", "phalanx.serve.cli._main", *argv[1:]]
+
+
 def _start(nodes: list[Host], tmp: Path, model: Path, tp: int) -> list[Node]:
     n = len(nodes)
     out = []
@@ -93,10 +108,8 @@ def _start(nodes: list[Host], tmp: Path, model: Path, tp: int) -> list[Node]:
         env = {**os.environ, "PHALANX_JOB_TOKEN": TOKEN, "TORCH_CPP_LOG_LEVEL": "ERROR",
                "PHALANX_RUNTIME_DIR": str(runtime), "TOKENIZERS_PARALLELISM": "false",
                "XDG_CACHE_HOME": str(tmp / f"cache-{i}")}
-        argv = [sys.executable, "-m", "phalanx.serve.cli._main", "serve", str(model),
-                "--tp", str(tp), "--nnodes", str(n), "--node-rank", str(i),
-                "--master-addr", nodes[0].addr, "--master-port", str(PORT),
-                "--host", nodes[0].addr, "--port", str(HTTP), "--kv-cache-size", "16M"]
+        argv = [*_readme_command(model, tp, n, i, nodes[0].addr), "--port", str(HTTP),
+                "--kv-cache-size", "16M"]
         out.append(Node(h, i, argv, env))
     return out
 

@@ -56,6 +56,7 @@ _EXPECTED = {
     "DiskStore(d, geom": "4 True",
     "ReplicatedCache.open": "3 [0, 1, 2]",
     "LLM(tensor_parallel_size=2": "8 length",
+    "MultiHostWorker(spec": "[6, 24]",
 }
 _LOCAL = [b for b in _python_blocks() if "127.0.0.1:8000" not in b]
 
