@@ -148,6 +148,7 @@ class Engine:
         if config.dtype is not None:
             kwargs["dtype"] = config.dtype
         disk = config.prefix_cache_disk
+        self.hosts = hosts
         group_type: Any = RankGroup
         if hosts is not None:
             from .host_ranks import HostRankGroup
@@ -189,11 +190,20 @@ class Engine:
                 geometry.kv_heads:
             raise EngineError("engine.identity.local_kv_heads disagrees with the runner's "
                               "shard: offline cache commands would write another geometry")
-        self.disk_cache = ReplicatedCache.open(
-            self.group.worker, directory, geometry=geometry, fingerprint=self.fingerprint,
-            capacity_bytes=self.config.prefix_cache_disk_bytes,
-            max_age=self.config.prefix_cache_max_age,
-            kv_source_factory=staging_source)
+        if self.hosts is not None:  # the ranks span hosts: each keeps its shard there
+            from .host_disk import HostsDiskCache
+
+            self.disk_cache = HostsDiskCache.open(
+                self.hosts, directory, geometry=geometry, fingerprint=self.fingerprint,
+                capacity_bytes=self.config.prefix_cache_disk_bytes,
+                max_age=self.config.prefix_cache_max_age)
+        else:
+            self.disk_cache = ReplicatedCache.open(
+                self.group.worker, directory, geometry=geometry,
+                fingerprint=self.fingerprint,
+                capacity_bytes=self.config.prefix_cache_disk_bytes,
+                max_age=self.config.prefix_cache_max_age,
+                kv_source_factory=staging_source)
         self.disk_tier = DiskTier(self.disk_cache, self.group, self.config.page_tokens,
                                   self.fingerprint)
         self.scheduler.tier = self.disk_tier

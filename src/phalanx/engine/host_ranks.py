@@ -11,8 +11,8 @@ as typed bytes (the plan and result encodings of :mod:`phalanx.engine.plan`).
 A lost host or rank fails the step in progress at once (the multi-host Worker fails every
 outstanding task of the job), and the group is dead from then on.
 
-Not yet across hosts: the disk tier (its replication links are same-host today), so
-an engine over hosts is refused with ``prefix_cache_disk`` set.
+The disk tier's loads travel with the step (typed ``DiskLoads``), as on one host; its
+cache is :class:`~phalanx.engine.host_disk.HostsDiskCache`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from ._errors import EngineError
+from .disk_tier import DiskLoads
+from .quiet import QuietGate
 
-__all__ = ["HostRankGroup", "close_rank", "open_rank"]
+__all__ = ["HostRankGroup", "close_rank", "execute_rank", "open_rank"]
 
 log = logging.getLogger("phalanx.engine")
 T = TypeVar("T")
@@ -38,7 +40,7 @@ _ids = itertools.count(1)
 
 def open_rank(runner_id: str, model_dir: str, kwargs: dict[str, Any], seed: int,
               store_addr: str, store_port: int, prefix: str, rank: int, world: int,
-              ranks_here: int, timeout: float) -> dict[str, Any]:
+              ranks_here: int, timeout: float, staging: bool) -> dict[str, Any]:
     """Join the TP group and open this rank's runner; its memory report."""
     import torch
 
@@ -60,7 +62,19 @@ def open_rank(runner_id: str, model_dir: str, kwargs: dict[str, Any], seed: int,
     except BaseException:
         destroy()
         raise
+    if staging:
+        from .staging import rank_staging
+
+        # the disk tier's pages pass through this rank's staging (see engine.staging)
+        runner.tier = rank_staging(runner.geometry())
     return runner.memory()
+
+
+def execute_rank(runner_id: str, plan: bytes, disk: DiskLoads | None) -> bytes | None:
+    """One step on this rank (``disk`` arrives typed: the control plane converts it)."""
+    from .ranks import _rank_execute
+
+    return _rank_execute(runner_id, plan, disk)
 
 
 def close_rank(runner_id: str) -> None:
@@ -82,9 +96,6 @@ class HostRankGroup:
     def __init__(self, hosts: Any, model_dir: str, tp: int, runner_kwargs: dict[str, Any], *,
                  step_timeout: float, start_timeout: float, seed: int,
                  staging: bool = False) -> None:
-        if staging:
-            raise EngineError("the disk tier across hosts is not built yet: serve a job of "
-                              "several hosts with --no-prefix-cache-disk (memory tier only)")
         if tp != len(hosts.ranks):
             raise EngineError(f"tensor_parallel_size={tp} but the job has "
                               f"{len(hosts.ranks)} ranks ({len(hosts.nodes)} nodes x "
@@ -95,11 +106,12 @@ class HostRankGroup:
         self._step_timeout = step_timeout
         self.dead: BaseException | None = None
         self._opened = False
+        self._quiet = QuietGate()
         addr, port = hosts.store_address
         prefix = self._prefix = f"phx/tp/{self.runner_id}"
         futs = [hosts.submit(r, open_rank, self.runner_id, model_dir, runner_kwargs, seed,
                              addr, port, prefix, r, tp, hosts.ranks_per_node, start_timeout,
-                             timeout=start_timeout + 30) for r in hosts.ranks]
+                             staging, timeout=start_timeout + 30) for r in hosts.ranks]
         try:
             self.memory: list[dict[str, Any]] = self._gather(futs, start_timeout + 60)
         except BaseException as exc:
@@ -124,23 +136,24 @@ class HostRankGroup:
         """Run one encoded plan on every rank; rank 0's encoded result."""
         if self.dead is not None:
             raise self.dead
-        if disk is not None:
-            raise EngineError("disk loads across hosts: not built (see module docstring)")
-        futs = [self.worker.submit(r, "phalanx.engine.ranks:_rank_execute", self.runner_id,
-                                   plan, None, timeout=self._step_timeout)
-                for r in self.worker.ranks]
-        try:
-            outs = self._gather(futs, self._step_timeout + 30)
-        except BaseException as exc:
-            self.dead = exc
-            raise
+        with self._quiet.call():
+            futs = [self.worker.submit(r, execute_rank, self.runner_id, plan, disk,
+                                       timeout=self._step_timeout)
+                    for r in self.worker.ranks]
+            try:
+                outs = self._gather(futs, self._step_timeout + 30)
+            except BaseException as exc:
+                self.dead = exc
+                raise
         return bytes(outs[0])
 
     def on_rank0(self, fn: Callable[..., T], *args: Any) -> T:
-        return cast(T, self.worker.call(0, fn, *args, timeout=self._step_timeout))
+        """``fn(*args)`` on rank 0 (the disk tier's lookups); its typed result."""
+        with self._quiet.call():
+            return cast(T, self.worker.call(0, fn, *args, timeout=self._step_timeout))
 
     def wait_quiet(self, gap: float, timeout: float) -> bool:
-        return True  # no background work across hosts yet (the disk tier is same-host)
+        return self._quiet.wait(gap, timeout)
 
     def _close_opened(self, futs: list[concurrent.futures.Future[Any]]) -> None:
         concurrent.futures.wait(futs, timeout=self._step_timeout)

@@ -11,11 +11,11 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from ._errors import EngineError
+from .quiet import QuietGate
 
 __all__ = ["RankGroup"]
 
@@ -128,11 +128,9 @@ class RankGroup:
         self._opened: concurrent.futures.Future[list[dict[str, Any]]] = (
             concurrent.futures.Future())
         self.dead: BaseException | None = None
-        # the parent's calls in progress and when the last ended: background work (the
-        # disk tier's stores and maintenance) waits for a quiet moment (wait_quiet)
-        self._quiet = threading.Condition()
-        self._calls = 0
-        self._last_call = time.monotonic()
+        # the parent's calls in progress: background work (the disk tier's stores and
+        # maintenance) waits for a quiet moment (wait_quiet)
+        self._quiet = QuietGate()
         self.worker = Worker(ranks=tp, task_timeout=step_timeout, start_timeout=start_timeout)
         try:
             self._handle = self.worker.submit(self._serve, model_dir, runner_kwargs, seed,
@@ -231,34 +229,16 @@ class RankGroup:
         if self.dead is not None:
             raise self.dead
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._quiet:
-            self._calls += 1
-        try:
+        with self._quiet.call():
             self._jobs.put((what, fut))
             # the tasks carry the step deadline; this one only backs it up
             return fut.result(timeout=self._step_timeout * 2 + 30)
-        finally:
-            with self._quiet:
-                self._calls -= 1
-                self._last_call = time.monotonic()
-                self._quiet.notify_all()
 
     def wait_quiet(self, gap: float, timeout: float) -> bool:
         """Wait until no step or lookup has run for ``gap`` seconds (True), or at most
         ``timeout`` (False): the disk tier's background work yields to requests so
         that a store does not take a core from the next request's step."""
-        deadline = time.monotonic() + timeout
-        with self._quiet:
-            while True:
-                now = time.monotonic()
-                if self._calls == 0 and now - self._last_call >= gap:
-                    return True
-                if now >= deadline:
-                    return False
-                wait = deadline - now
-                if self._calls == 0:
-                    wait = min(wait, gap - (now - self._last_call))
-                self._quiet.wait(wait)
+        return self._quiet.wait(gap, timeout)
 
     def close(self, timeout: float = 60.0) -> None:
         self._jobs.put(None)

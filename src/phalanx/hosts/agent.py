@@ -80,7 +80,8 @@ class HostAgent:
         local = LocalRanks(self.ranks_per_node, self.spec.node_rank,
                            runtime_dir=self._runtime_dir, env=self._env,
                            start_timeout=start_timeout, task_timeout=task_timeout,
-                           close_timeout=close_timeout, node_addr=self.addr)
+                           close_timeout=close_timeout, node_addr=self.addr,
+                           token=self.spec.token)
         channel: Channel | None = None
         try:
             channel = self._connect(head.addr, head.port, local, start_timeout)

@@ -4,15 +4,25 @@ A function object cannot cross hosts (that would mean pickles from the network),
 head sends its name and each host imports it. Functions defined in ``__main__``, lambdas
 and nested functions have no name another host can import: they are a same-host feature
 (the local :class:`~phalanx.Worker` ships them), and naming one here is a clear error.
+
+Arguments and results cross as msgpack: a dataclass or a msgspec Struct arrives as a
+dict. The receiving side converts each into what the function's annotations declare
+(:func:`typed_args`, :func:`typed_result`, ``msgspec.convert``), so a function that takes
+a ``Lease`` gets a ``Lease`` on every host, and a value that does not fit its annotation
+is an error naming the parameter rather than a surprise inside the function.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import typing
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["function_name", "resolve", "run_on_rank"]
+import msgspec
+
+__all__ = ["function_name", "resolve", "run_on_rank", "typed_args", "typed_result"]
 
 
 def function_name(fn: Callable[..., Any] | str) -> str:
@@ -60,6 +70,44 @@ def resolve(name: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
+def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001  unresolvable annotations: nothing to convert to
+        return {}
+
+
+def _convert(value: Any, hint: Any, what: str) -> Any:
+    if hint is Any:
+        return value
+    try:
+        return msgspec.convert(value, hint)
+    except msgspec.ValidationError as exc:
+        raise TypeError(f"{what}: {exc}") from None
+    except TypeError:
+        return value  # a type msgspec cannot build (a callable, a Protocol): as sent
+
+
+def typed_args(fn: Callable[..., Any], args: list[Any], name: str) -> list[Any]:
+    """``args`` converted into the types ``fn``'s parameters declare."""
+    hints = _hints(fn)
+    params = list(inspect.signature(fn).parameters.values())
+    out = []
+    for i, arg in enumerate(args):
+        p = params[i] if i < len(params) else None
+        if p is None or p.kind is p.VAR_POSITIONAL or p.name not in hints:
+            out.append(arg)
+            continue
+        out.append(_convert(arg, hints[p.name], f"{name}: argument {p.name!r}"))
+    return out
+
+
+def typed_result(fn: Callable[..., Any], value: Any, name: str) -> Any:
+    """``value`` converted into ``fn``'s declared return type."""
+    hint = _hints(fn).get("return")
+    return value if hint is None else _convert(value, hint, f"{name}: its result")
+
+
 def _one_task(o: Any, rank: int, fn: Callable[..., Any], args: list[Any],
               timeout: float | None) -> Any:
     oo = o.options(timeout=timeout) if timeout is not None else o
@@ -71,4 +119,4 @@ def run_on_rank(worker: Any, local_rank: int, name: str, args: list[Any],
     """``name(*args)`` as a task on ``local_rank`` of this host's Worker (a run of its
     own, so the task gets the run's fence and deadline like any other)."""
     fn = resolve(name)
-    return worker.run(_one_task, local_rank, fn, args, timeout)
+    return worker.run(_one_task, local_rank, fn, typed_args(fn, args, name), timeout)

@@ -28,14 +28,16 @@ class LocalRanks:
 
     def __init__(self, count: int, node: int, *, runtime_dir: str | None,
                  env: dict[str, str] | None, start_timeout: float, task_timeout: float,
-                 close_timeout: float, node_addr: str) -> None:
+                 close_timeout: float, node_addr: str, token: str) -> None:
         from phalanx.comm import Worker
 
         self.count, self.node, self.addr = count, node, node_addr
         self.first = node * count
-        # each rank learns where it is: torch.distributed's gloo binds to this address
+        # each rank learns where it is (torch.distributed's gloo binds to this address)
+        # and the job's token (the replication links between hosts prove it): the token
+        # reaches a rank by its environment, never in a frame
         rank_env = {"PHALANX_NODE_ADDR": node_addr, "PHALANX_NODE_RANK": str(node),
-                    **(env or {})}
+                    "PHALANX_JOB_TOKEN": token, **(env or {})}
         self.worker = Worker(ranks=count, start_timeout=start_timeout,
                              task_timeout=task_timeout, close_timeout=close_timeout,
                              runtime_dir=runtime_dir, env=rank_env)

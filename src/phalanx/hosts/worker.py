@@ -51,7 +51,7 @@ from .control import (
     proofs_match,
     welcome_proof,
 )
-from .functions import function_name
+from .functions import function_name, resolve, typed_result
 from .local import LocalRanks
 from .rendezvous import Membership, NodeSpec, local_addr_towards, rendezvous
 
@@ -134,7 +134,8 @@ class MultiHostWorker:
             self.rendezvous_s = time.monotonic() - started
             self.local = LocalRanks(ranks_per_node, 0, runtime_dir=runtime_dir, env=env,
                                     start_timeout=start_timeout, task_timeout=task_timeout,
-                                    close_timeout=close_timeout, node_addr=self.addr)
+                                    close_timeout=close_timeout, node_addr=self.addr,
+                                    token=self.spec.token)
             self._accept_all(started + start_timeout)
         except BaseException:
             self._teardown(Stop("node 0 failed to start the job", failed=True))
@@ -309,10 +310,11 @@ class MultiHostWorker:
         """``fn(*args)`` on global rank ``rank``; its future. ``fn``: an importable
         function or its ``module:function`` name; ``args``: plain values."""
         name = function_name(fn)
+        target = resolve(name)  # importable here too: its result is typed by it
         node_rank = self.node_of(rank)
         data = encode_args(args, f"{name} on rank {rank}")
         timeout = self.task_timeout if timeout is None else timeout
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        fut: concurrent.futures.Future[Any] = _TypedFuture(target, name)
         if self.dead is not None:
             fut.set_exception(WorkerError(f"the job failed: {self.dead}"))
             return fut
@@ -425,6 +427,22 @@ class MultiHostWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _TypedFuture(concurrent.futures.Future[Any]):
+    """A task's future whose result is converted into its function's return type."""
+
+    def __init__(self, fn: Callable[..., Any], name: str) -> None:
+        super().__init__()
+        self._fn, self._name = fn, name
+
+    def set_result(self, result: Any) -> None:
+        try:
+            result = typed_result(self._fn, result, self._name)
+        except TypeError as exc:
+            super().set_exception(exc)
+            return
+        super().set_result(result)
 
 
 def _copy(src: concurrent.futures.Future[Any], dst: concurrent.futures.Future[Any]) -> None:

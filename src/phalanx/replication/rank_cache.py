@@ -114,9 +114,13 @@ class RankCache:
 
     # -- opening (one typed task per step: _rank_tasks.py) ------------------------------
     @classmethod
-    def create(cls, cache_id: str, config: OpenConfig) -> RankCache:
-        """A new, empty side registered at once in this rank's services (owner at birth)."""
-        rank = current_rank()
+    def create(cls, cache_id: str, config: OpenConfig, rank: int | None = None) -> RankCache:
+        """A new, empty side registered at once in this rank's services (owner at birth).
+        ``rank``: this rank's place in the cache (default: its rank in its Worker; a job
+        of several hosts gives the job-wide rank, its Worker holding only that host's)."""
+        if current_rank() is None:
+            raise ReplicationError(f"cache {cache_id}: a rank side opens in a rank process only")
+        rank = current_rank() if rank is None else rank
         if rank is None:
             raise ReplicationError(f"cache {cache_id}: a rank side opens in a rank process only")
         cache = cls(cache_id, rank, config)

@@ -6,6 +6,9 @@ its own ranks) and the HTTP server; every other node runs headless: its
 The shape users know from vLLM, SGLang and torchrun; the job token (PHALANX_JOB_TOKEN,
 the same on every host) authenticates the hosts to each other.
 
+The disk tier spans the hosts: each host's ranks keep their shards under the same
+``--prefix-cache-disk`` path on that host (engine/host_disk.py).
+
 A lost host ends the job: node 0's engine fails what is in flight naming the node and
 its ranks, ``/health`` turns 503, and every host exits 1 naming the lost node, so that
 a supervisor restarts the job (the engine does not restart itself across hosts: the

@@ -83,10 +83,6 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
         raise click.BadParameter(f"{tp}: must be >= 1", param_hint="--tensor-parallel-size")
     if prefix_cache_disk and no_prefix_cache_disk:
         raise click.UsageError("--prefix-cache-disk and --no-prefix-cache-disk contradict")
-    if nnodes > 1 and prefix_cache_disk:
-        raise click.UsageError("--prefix-cache-disk with --nnodes > 1: the disk tier does "
-                               "not span hosts yet; serve with the memory tier")
-    no_prefix_cache_disk = no_prefix_cache_disk or nnodes > 1
     cfg = ServerConfig(
         model=model_dir or _embedded(model_size), tensor_parallel_size=tp, host=host,
         port=port, api_key=api_key or None, served_model_name=served_model_name,

@@ -1,0 +1,218 @@
+"""The disk tier across hosts: each host's ranks keep their shards on that host's disk.
+
+:class:`HostsDiskCache` is the part of :class:`~phalanx.replication.ReplicatedCache` the
+engine's disk tier uses (``store``, ``poll``, ``stats``, ``close``, ``cache_id``), driven
+over a :class:`~phalanx.hosts.MultiHostWorker` instead of a local Worker: every call is a
+named function below with typed arguments (the control plane carries no pickles), and
+every rank's side is the same :class:`~phalanx.replication.RankCache` as on one host.
+Rank 0 listens on node 0's job address; each other rank connects to it from its own
+host with the job token (which reaches a rank by its environment, never in a frame), so
+the replication links, their credits and the start-up reconciliation cross hosts as
+they are.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..kvstore import Geometry, KeyChain
+
+__all__ = ["CacheSpec", "HostsDiskCache"]
+
+_ids = itertools.count(1)
+_SETTLE_S = 10.0
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What every rank needs to open its side (typed: it crosses hosts)."""
+
+    directories: list[str]
+    geometry: Geometry
+    fingerprint: bytes
+    capacity_bytes: int
+    max_age: float | None
+    job_timeout: float
+    window: int
+    reserve: int
+    fsync: bool
+
+
+def _config(spec: CacheSpec) -> Any:
+    from ..replication.rank_cache import OpenConfig
+    from .staging import staging_source
+
+    return OpenConfig(spec.directories, spec.geometry, spec.fingerprint, spec.capacity_bytes,
+                      spec.max_age, staging_source, spec.job_timeout, spec.window,
+                      spec.reserve, os.environ.get("PHALANX_NODE_ADDR", "127.0.0.1"),
+                      spec.fsync)
+
+
+def _token() -> str:
+    token = os.environ.get("PHALANX_JOB_TOKEN", "")
+    if not token:
+        raise RuntimeError("this rank has no PHALANX_JOB_TOKEN: it was not started by a "
+                           "host agent of a multi-host job")
+    return token
+
+
+# -- the rank side (named by module:function) -------------------------------------------
+
+def open_leader(cache_id: str, spec: CacheSpec) -> int:
+    """Rank 0: open its store (recovery) and listen on node 0's address; the port."""
+    from ..replication import RankCache
+
+    cache = RankCache.create(cache_id, _config(spec), rank=0)
+    cache.open_store()
+    return cache.listen()
+
+
+def accept_peers(cache_id: str, peers: list[int], timeout: float) -> dict[str, Any]:
+    """Rank 0: accept and authenticate every peer, reconcile; the report."""
+    from ..replication import rank_cache
+
+    return rank_cache(cache_id).accept(peers, _token(), timeout)
+
+
+def open_replica(cache_id: str, spec: CacheSpec, rank: int, host: str, port: int,
+                 timeout: float) -> int:
+    """Rank ``rank`` (job-wide): open its store, connect to rank 0; its records."""
+    from ..replication import RankCache
+
+    # this host's copy of the cache directory (node 0 made its own): private to the user
+    os.makedirs(os.path.dirname(spec.directories[rank]), mode=0o700, exist_ok=True)
+    cache = RankCache.create(cache_id, _config(spec), rank=rank)
+    records = cache.open_store()
+    cache.connect(host, port, _token(), timeout)
+    return records
+
+
+def store_keys(cache_id: str, keys: list[bytes], page_tokens: int, fingerprint: bytes) -> int:
+    """Rank 0: store the uncached suffix of the chain on every rank; pages stored."""
+    from ..replication import rank_cache
+
+    r = rank_cache(cache_id).leader.store_chain(KeyChain(keys, page_tokens, fingerprint))
+    return r.end_page - r.start_page if r.stored else 0
+
+
+def poll(cache_id: str, max_jobs: int) -> int:
+    from ..replication import rank_cache
+
+    return rank_cache(cache_id).leader.poll(max_jobs)
+
+
+def state(cache_id: str) -> dict[str, Any]:
+    from ..replication import rank_cache
+
+    return rank_cache(cache_id).state()
+
+
+def close_side(cache_id: str, timeout: float) -> None:
+    from phalanx.runtime import rank_services
+
+    from ..replication import RankCache
+    from ..replication.rank_cache import service_name
+
+    cache = rank_services().find(service_name(cache_id), RankCache)
+    if cache is None:
+        return  # never opened here, or closed already
+    cache.close(timeout)
+    rank_services().close(service_name(cache_id))
+
+
+# -- node 0's side ----------------------------------------------------------------------
+
+class HostsDiskCache:
+    """The replicated disk tier of a multi-host job; see the module docstring."""
+
+    def __init__(self, hosts: Any, cache_id: str, report: dict[str, Any],
+                 close_timeout: float) -> None:
+        self.hosts, self.cache_id, self.report = hosts, cache_id, report
+        self.close_timeout = close_timeout
+        self._closed = False
+
+    @classmethod
+    def open(cls, hosts: Any, directory: str, *, geometry: Geometry, fingerprint: bytes,
+             capacity_bytes: int, max_age: float | None, job_timeout: float = 30.0,
+             window: int = 64, connect_timeout: float = 60.0,
+             close_timeout: float = 30.0) -> HostsDiskCache:
+        """Recover every rank's store on its host, connect the links, reconcile."""
+        from ..replication import rank_directories
+
+        ranks = list(hosts.ranks)
+        cid = f"rch{os.getpid()}-{next(_ids)}"
+        spec = CacheSpec(rank_directories(directory, len(ranks)), geometry, fingerprint,
+                         capacity_bytes, max_age, job_timeout, window, window // 4, False)
+        t = connect_timeout + _SETTLE_S
+        try:
+            port = hosts.call(0, open_leader, cid, spec, timeout=t)
+            accept = hosts.submit(0, accept_peers, cid, ranks[1:], connect_timeout,
+                                  timeout=t)
+            host = hosts.node_addr(0)
+            replicas = [hosts.submit(r, open_replica, cid, spec, r, host, port,
+                                     connect_timeout, timeout=t) for r in ranks[1:]]
+            concurrent.futures.wait([accept, *replicas], timeout=t + _SETTLE_S,
+                                    return_when=concurrent.futures.FIRST_EXCEPTION)
+            for f in replicas:  # a replica's own failure is the news; rank 0's follows
+                exc = f.exception() if f.done() else None
+                if exc is not None:
+                    raise exc
+            report: dict[str, Any] = accept.result(timeout=t + _SETTLE_S)
+        except BaseException:
+            # every rank is asked: a side that never opened is a no-op to close
+            cls._close_ranks(hosts, cid, ranks, close_timeout)
+            raise
+        return cls(hosts, cid, report, close_timeout)
+
+    def store(self, chain: KeyChain) -> int:
+        return int(self.hosts.call(0, store_keys, self.cache_id, list(chain.keys),
+                                   chain.page_tokens, chain.fingerprint))
+
+    def poll(self, max_jobs: int = 32) -> int:
+        return int(self.hosts.call(0, poll, self.cache_id, max_jobs))
+
+    def stats(self, timeout: float | None = None) -> dict[int, dict[str, Any]]:
+        """rank -> its state; a rank that does not answer is reported in its entry."""
+        t = self.close_timeout if timeout is None else timeout
+        futs = {r: self.hosts.submit(r, state, self.cache_id, timeout=t)
+                for r in self.hosts.ranks}
+        out: dict[int, dict[str, Any]] = {}
+        for r, f in futs.items():
+            try:
+                out[r] = f.result(timeout=t + _SETTLE_S)
+            except Exception as exc:  # noqa: BLE001  reported in the rank's entry
+                out[r] = {"error": f"{type(exc).__name__}: {exc}",
+                          "problems": [f"unreachable: {exc}"], "digest": None}
+        return out
+
+    @staticmethod
+    def _close_ranks(hosts: Any, cid: str, ranks: list[int], timeout: float) -> list[str]:
+        if hosts.dead is not None:
+            return []  # the job is over: each host's agent stops its ranks, sides and all
+        problems = []
+        for group in ([0], [r for r in ranks if r != 0]):  # rank 0 drains and says BYE
+            futs = {r: hosts.submit(r, close_side, cid, timeout * 0.9, timeout=timeout)
+                    for r in group}
+            for r, f in futs.items():
+                try:
+                    f.result(timeout=timeout + _SETTLE_S)
+                except Exception as exc:  # noqa: BLE001  every rank is still asked
+                    problems.append(f"rank {r}: {exc}")
+        return problems
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        problems = self._close_ranks(self.hosts, self.cache_id, list(self.hosts.ranks),
+                                     self.close_timeout if timeout is None else timeout)
+        if problems:
+            from ..lifecycle import CleanupError
+
+            raise CleanupError(f"disk tier {self.cache_id} across hosts: closing failed: "
+                               f"{'; '.join(problems)}",
+                               [RuntimeError(p) for p in problems])
