@@ -107,9 +107,41 @@ def _hold(w: Any, marker: str) -> None:
     _emit(event="done", outcome=outcome, dead=w.dead, alive=w.alive_ranks())
 
 
+def _incident(w: Any, cache_dir: str, capacity: int, cut_marker: str) -> None:
+    """The recovered-chain incident across hosts: every rank's directory (a copy of one
+    synthesized chain) needs maintenance at start-up; the burst must complete and leave
+    every host's directory identical. With ``cut_marker``: the test cuts a host off once
+    the cache is open (it answers by creating the marker), then the burst runs."""
+    from phalanx.engine.host_disk import HostsDiskCache
+    from replication_util import FP, GEOM
+
+    cache = HostsDiskCache.open(w, cache_dir, geometry=GEOM, fingerprint=FP,
+                                capacity_bytes=capacity, window=64,
+                                kv_source="phalanx.replication:SyntheticSource")
+    _emit(event="opened", report=cache.report)
+    if cut_marker:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(cut_marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    started = time.monotonic()
+    try:
+        report = cache.maintain()
+        _emit(event="maintained", jobs=report.jobs, problems=cache.check(),
+              seconds=time.monotonic() - started)
+    except Exception as exc:  # noqa: BLE001  reported to the test
+        _emit(event="failed", error=f"{type(exc).__name__}: {exc}",
+              seconds=time.monotonic() - started)
+    try:
+        cache.close()
+    except Exception as exc:  # noqa: BLE001  reported to the test
+        _emit(event="close_failed", error=str(exc))
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["basic", "hold"])
+    p.add_argument("scenario", choices=["basic", "hold", "incident"])
+    p.add_argument("--cache", default="")
+    p.add_argument("--capacity", type=int, default=1 << 30)
     p.add_argument("--nnodes", type=int, required=True)
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--master-addr", required=True)
@@ -126,6 +158,8 @@ def main() -> int:
         _emit(event="up", ranks=list(w.ranks))
         if args.scenario == "basic":
             _basic(w)
+        elif args.scenario == "incident":
+            _incident(w, args.cache, args.capacity, args.marker)
         else:
             _hold(w, args.marker)
     finally:

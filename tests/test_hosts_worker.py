@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,3 +134,56 @@ def test_a_killed_head_stops_every_other_host(tmp_path: Path) -> None:
             _, aerr = a.communicate(timeout=WAIT_S)
             assert a.returncode == 1, aerr.decode()[-2000:]
             assert f"node 0 ({nodes[0].addr}" in aerr.decode() and "lost" in aerr.decode()
+
+
+def test_the_recovered_chain_incident_across_three_hosts(tmp_path: Path) -> None:
+    """DESIGN.md's incident (a recovered cache whose every record needs maintenance) with
+    each rank on a host of its own: the throttled burst crosses the veth links, completes,
+    and leaves every host's directory identical."""
+    from replication_util import assert_identical, dir_bytes, synth
+
+    synth(tmp_path / "tpl", 1500, "chain")  # uncompacted: 7 of every 8 rows redundant
+    cache = tmp_path / "cache"
+    shutil.copytree(tmp_path / "tpl", cache)
+    capacity = dir_bytes(cache / "rank-0") // 10
+    with hosts(3) as nodes:
+        head, agents = _start(nodes, tmp_path, "incident",
+                              extra=["--cache", str(cache), "--capacity", str(capacity)])
+        events, err = _events(head)
+        for a in agents:
+            a.communicate(timeout=WAIT_S)
+        kinds = {e["event"]: e for e in events}
+        assert "maintained" in kinds, (events, err[-3000:])
+        assert sum(kinds["maintained"]["jobs"].values()) > 0
+        assert kinds["maintained"]["problems"] == []
+        assert head.returncode == 0 and all(a.returncode == 0 for a in agents)
+    files = assert_identical(cache)
+    assert 0 < sum(size for _, size in files) <= capacity
+
+
+def test_a_partition_during_a_replication_burst_names_the_peer(tmp_path: Path) -> None:
+    from replication_util import dir_bytes, synth
+
+    synth(tmp_path / "tpl", 1500, "chain")
+    cache = tmp_path / "cache"
+    shutil.copytree(tmp_path / "tpl", cache)
+    marker = tmp_path / "cut"
+    with hosts(3) as nodes:
+        head, agents = _start(nodes, tmp_path, "incident",
+                              extra=["--cache", str(cache), "--capacity",
+                                     str(dir_bytes(cache / "rank-0") // 10),
+                                     "--marker", str(marker)])
+        _wait_event(head, "opened")
+        nodes[2].link_down()
+        marker.touch()  # the burst starts with node 2 cut off
+        cut = time.monotonic()
+        failed = _wait_event(head, "failed")
+        assert f"node 2 ({nodes[2].addr})" in failed["error"], failed
+        assert failed["seconds"] < 45  # lost_after (3 s) or the link's job timeout
+        head.communicate(timeout=WAIT_S)
+        assert head.returncode == 1  # the job failed: close says so
+        for a in agents:
+            a.communicate(timeout=WAIT_S)
+            assert a.returncode == 1
+        assert time.monotonic() - cut < 90
+        nodes[2].link_up()

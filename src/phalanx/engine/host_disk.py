@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..kvstore import Geometry, KeyChain
+from ..replication import MaintainReport
 
 __all__ = ["CacheSpec", "HostsDiskCache"]
 
@@ -33,21 +34,25 @@ class CacheSpec:
 
     directories: list[str]
     geometry: Geometry
-    fingerprint: bytes
+    fingerprint: bytes  # a text fingerprint is its UTF-8 (as fingerprint_digest reads it)
     capacity_bytes: int
     max_age: float | None
     job_timeout: float
     window: int
     reserve: int
     fsync: bool
+    # the KV source each rank's side reads from and writes to, by name: the engine's
+    # staging (the runner's pages), or a synthetic one for operator tools and tests
+    kv_source: str = "phalanx.engine.staging:staging_source"
 
 
 def _config(spec: CacheSpec) -> Any:
+    from phalanx.hosts.functions import resolve
+
     from ..replication.rank_cache import OpenConfig
-    from .staging import staging_source
 
     return OpenConfig(spec.directories, spec.geometry, spec.fingerprint, spec.capacity_bytes,
-                      spec.max_age, staging_source, spec.job_timeout, spec.window,
+                      spec.max_age, resolve(spec.kv_source), spec.job_timeout, spec.window,
                       spec.reserve, os.environ.get("PHALANX_NODE_ADDR", "127.0.0.1"),
                       spec.fsync)
 
@@ -105,6 +110,13 @@ def poll(cache_id: str, max_jobs: int) -> int:
     return rank_cache(cache_id).leader.poll(max_jobs)
 
 
+def maintain(cache_id: str, timeout: float | None) -> MaintainReport:
+    """Rank 0: maintenance to completion on every rank (decided, applied, acked)."""
+    from ..replication import rank_cache
+
+    return rank_cache(cache_id).leader.maintain(timeout)
+
+
 def state(cache_id: str) -> dict[str, Any]:
     from ..replication import rank_cache
 
@@ -136,17 +148,20 @@ class HostsDiskCache:
         self._closed = False
 
     @classmethod
-    def open(cls, hosts: Any, directory: str, *, geometry: Geometry, fingerprint: bytes,
-             capacity_bytes: int, max_age: float | None, job_timeout: float = 30.0,
-             window: int = 64, connect_timeout: float = 60.0,
-             close_timeout: float = 30.0) -> HostsDiskCache:
+    def open(cls, hosts: Any, directory: str, *, geometry: Geometry,
+             fingerprint: str | bytes, capacity_bytes: int, max_age: float | None = None,
+             job_timeout: float = 30.0, window: int = 64, connect_timeout: float = 60.0,
+             close_timeout: float = 30.0,
+             kv_source: str = CacheSpec.kv_source) -> HostsDiskCache:
         """Recover every rank's store on its host, connect the links, reconcile."""
         from ..replication import rank_directories
 
         ranks = list(hosts.ranks)
         cid = f"rch{os.getpid()}-{next(_ids)}"
-        spec = CacheSpec(rank_directories(directory, len(ranks)), geometry, fingerprint,
-                         capacity_bytes, max_age, job_timeout, window, window // 4, False)
+        fp = fingerprint.encode() if isinstance(fingerprint, str) else fingerprint
+        spec = CacheSpec(rank_directories(directory, len(ranks)), geometry, fp,
+                         capacity_bytes, max_age, job_timeout, window, window // 4, False,
+                         kv_source)
         t = connect_timeout + _SETTLE_S
         try:
             port = hosts.call(0, open_leader, cid, spec, timeout=t)
@@ -174,6 +189,23 @@ class HostsDiskCache:
 
     def poll(self, max_jobs: int = 32) -> int:
         return int(self.hosts.call(0, poll, self.cache_id, max_jobs))
+
+    def maintain(self, timeout: float | None = None) -> MaintainReport:
+        """Maintenance to completion on every rank; a peer that stalls or a host that is
+        lost fails it naming the peer (LinkStalledError, HostLostError)."""
+        t = (self.hosts.task_timeout if timeout is None else timeout) + _SETTLE_S
+        report: MaintainReport = self.hosts.call(0, maintain, self.cache_id, timeout,
+                                                 timeout=t)
+        return report
+
+    def check(self, timeout: float | None = None) -> list[str]:
+        """Every rank's store check plus cross-rank identity of the record sets."""
+        states = self.stats(timeout)
+        problems = [f"rank {r}: {p}" for r, s in states.items() for p in s["problems"]]
+        digests = {r: s["digest"] for r, s in states.items()}
+        if len(set(digests.values())) > 1:
+            problems.append(f"record sets differ across ranks (digests {digests})")
+        return problems
 
     def stats(self, timeout: float | None = None) -> dict[int, dict[str, Any]]:
         """rank -> its state; a rank that does not answer is reported in its entry."""
