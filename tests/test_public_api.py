@@ -68,7 +68,12 @@ PUBLIC: dict[str, list[str]] = {
         "KVSource", "KVSourceFactory", "Leader", "Lease", "LinkAuthError", "LinkClosedError",
         "LinkProtocolError", "LinkStalledError", "MaintainReport", "PeerJobError", "RankCache",
         "ReplicaDivergedError", "ReplicatedCache", "ReplicationError", "StoreTicket",
-        "SyntheticSource", "rank_cache", "rank_directories",
+        "SyntheticSource", "check_states", "rank_cache", "rank_directories",
+    ],
+    "phalanx.hosts": [
+        "AgentExit", "HostAgent", "HostLostError", "JoinFrame", "Membership",
+        "MultiHostWorker", "NodeSpec", "Peer", "RemoteError", "VERSION", "VerdictFrame",
+        "function_name", "local_addr_towards", "rendezvous",
     ],
     "phalanx.engine": [
         "CompletionOutput", "DomainComm", "Engine", "EngineConfig", "InMemoryTier", "LLM",

@@ -200,12 +200,9 @@ class HostsDiskCache:
 
     def check(self, timeout: float | None = None) -> list[str]:
         """Every rank's store check plus cross-rank identity of the record sets."""
-        states = self.stats(timeout)
-        problems = [f"rank {r}: {p}" for r, s in states.items() for p in s["problems"]]
-        digests = {r: s["digest"] for r, s in states.items()}
-        if len(set(digests.values())) > 1:
-            problems.append(f"record sets differ across ranks (digests {digests})")
-        return problems
+        from ..replication import check_states
+
+        return check_states(self.stats(timeout))
 
     def stats(self, timeout: float | None = None) -> dict[int, dict[str, Any]]:
         """rank -> its state; a rank that does not answer is reported in its entry."""

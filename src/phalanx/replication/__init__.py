@@ -23,7 +23,7 @@ from .kv_source import KVSource, KVSourceFactory, SyntheticSource
 from .leader import Leader, MaintainReport
 from .rank_api import Lease, StoreTicket
 from .rank_cache import RankCache, rank_cache
-from .replicated import ReplicatedCache, rank_directories
+from .replicated import ReplicatedCache, check_states, rank_directories
 
 __all__ = [
     "KVSource",
@@ -42,6 +42,7 @@ __all__ = [
     "ReplicationError",
     "StoreTicket",
     "SyntheticSource",
+    "check_states",
     "rank_cache",
     "rank_directories",
 ]

@@ -182,12 +182,7 @@ class ReplicatedCache:
 
     def check(self, timeout: float | None = None) -> list[str]:
         """Every rank's DiskStore.check() plus cross-rank identity of the record sets."""
-        states = self.stats(timeout)
-        problems = [f"rank {r}: {p}" for r, s in states.items() for p in s["problems"]]
-        digests = {r: s["digest"] for r, s in states.items()}
-        if len(set(digests.values())) > 1:
-            problems.append(f"record sets differ across ranks (digests {digests})")
-        return problems
+        return check_states(self.stats(timeout))
 
     # -- shut-down ---------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
@@ -222,6 +217,16 @@ class ReplicatedCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_states(states: dict[int, dict[str, Any]]) -> list[str]:
+    """The problems in every rank's state (``RankCache.state``): each rank's own check,
+    and record sets that differ across ranks."""
+    problems = [f"rank {r}: {p}" for r, s in states.items() for p in s["problems"]]
+    digests = {r: s["digest"] for r, s in states.items()}
+    if len(set(digests.values())) > 1:
+        problems.append(f"record sets differ across ranks (digests {digests})")
+    return problems
 
 
 def raise_failures(what: str, failures: dict[int, BaseException]) -> None:
