@@ -1,7 +1,9 @@
 """``phalanx bench multihost`` (issue 16) at tiny counts (``--quick``) on real network
-namespaces: its last line is the JSON object with every figure positive and every figure
-not built yet null with its reason; its namespaces and processes are gone afterwards,
-also when it is stopped by SIGTERM mid-run. Shapes only, never a timing."""
+namespaces: its last line is the JSON object with every figure positive (the layouts'
+2 x 2 all-reduce and phalanx serve's decode across 3 x 1 and 2 x 2 hosts included) and
+every figure not built yet null with its reason; its namespaces, processes and servers
+are gone afterwards, also when it is stopped by SIGTERM mid-run; ``--no-decode`` leaves
+decode out with its reason. Shapes only, never a timing."""
 
 from __future__ import annotations
 
@@ -20,21 +22,26 @@ from netns import namespaces_of_this_run, skip_reason
 
 PHALANX = str(Path(sys.executable).parent / "phalanx")
 RANK_MODULE = "phalanx_bench.multihost_rank"
+SERVE_MODULE = "phalanx.serve.cli._main"
+DECODE = {"tokens_per_s", "itl_ms_p50", "ttft_ms"}
 MEASURED = {
     "link": ("veth", "loopback", {"rtt_us_p50", "bulk_mb_s"}),
     "rendezvous_ms": ("hosts", "one_host", {"ms_p50"}),
     "allreduce_us": ("hosts", "one_host", {"4KiB_us_p50", "64KiB_us_p50"}),
     "gloo_group_cycle_us": ("hosts", "one_host", {"us_p50"}),
+    ("layouts", "2x2"): ("hosts", "one_host", {"4KiB_us_p50"}),
+    ("layouts", "3x1"): ("hosts", "one_host", {"4KiB_us_p50"}),
+    ("decode_tokens_per_s", "3x1"): ("hosts", "one_host", DECODE),
+    ("decode_tokens_per_s", "2x2"): ("hosts", "one_host", DECODE),
 }
-NOT_BUILT = ("phalanx_domain_cycle_across_hosts", "decode_tokens_per_s",
-             "replication_jobs_per_s")
+NOT_BUILT = ("phalanx_domain_cycle_across_hosts", "replication_jobs_per_s")
 
 
-def _start() -> subprocess.Popen[str]:
+def _start(*extra: str) -> subprocess.Popen[str]:
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    return subprocess.Popen([PHALANX, "bench", "multihost", "--quick", "--json"],
+    return subprocess.Popen([PHALANX, "bench", "multihost", "--quick", "--json", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -48,11 +55,12 @@ def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
 
 
 def _ranks_of(pid: int) -> list[psutil.Process]:
-    """The benchmark's rank processes still alive (its children, or orphans of it)."""
+    """The benchmark's rank processes and servers still alive (its children, or orphans
+    of it: a server's own ranks are its children, so an orphaned server is found)."""
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if RANK_MODULE in cmd:
+        if RANK_MODULE in cmd or SERVE_MODULE in cmd:
             try:
                 if p.ppid() in (pid, 1) or pid in [a.pid for a in p.parents()]:
                     out.append(p)
@@ -77,17 +85,33 @@ def test_quick_run_json_shape_and_nothing_left() -> None:
     assert proc.returncode == 0, err[-4000:]
     r = json.loads(out.strip().splitlines()[-1])
     for name, (side, anchor, metrics) in MEASURED.items():
-        fig = r[name]
+        fig = r[name[0]][name[1]] if isinstance(name, tuple) else r[name]
         assert set(fig) == {side, anchor, f"ratio_{side}_over_{anchor}"}, (name, fig)
         for part in fig.values():
             assert set(part) == metrics, (name, part)
         assert all(n > 0 for n in _numbers(fig)), (name, fig)
+    assert r["layouts"]["shared_memory_subgroup"] is None
+    assert "shared-memory" in r["layouts"]["shared_memory_subgroup_reason"]
     for name in NOT_BUILT:
         assert r[name] is None, (name, r[name])
         assert isinstance(r[f"{name}_reason"], str) and r[f"{name}_reason"], name
     assert set(r["load_avg_1m"]) == {"start", "end"}
+    assert "cores" in r["machine"]
     assert namespaces_of_this_run(proc.pid) == []
     assert _ranks_of(proc.pid) == []
+
+
+@pytest.mark.timeout(400)
+def test_no_decode_leaves_decode_out_with_its_reason() -> None:
+    proc = _start("--no-decode")
+    out, err = _finish(proc, 360)
+    if proc.returncode != 0 and "namespaces unavailable" in err:
+        pytest.skip(err.strip().splitlines()[-1])
+    assert proc.returncode == 0, err[-4000:]
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["decode_tokens_per_s"] is None
+    assert "--no-decode" in r["decode_tokens_per_s_reason"]
+    assert all(n > 0 for n in _numbers(r["layouts"]["2x2"]))
 
 
 @pytest.mark.timeout(300)

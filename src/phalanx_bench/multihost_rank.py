@@ -13,11 +13,16 @@ Modes (each a real process per host, as a rank on another machine would be):
   prints its ``time.monotonic()`` marks (the clock is shared by every namespace).
 - ``allreduce`` / ``group-cycle``: torch.distributed gloo, initialised through a
   ``TCPStore`` on node 0 with torch's public API; rank 0's samples are reported.
+- ``decode-client``: a streaming client of a ``phalanx serve`` (in node 0's namespace,
+  where the server's address is reachable): a warm-up request, then greedy requests with
+  ``ignore_eos``, each with a prompt of its own (no prefix-cache hit); the medians of
+  TTFT (send to first token) and of decode (tokens after the first, over first to last).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -231,6 +236,52 @@ def _group_cycle(args: argparse.Namespace) -> dict[str, Any]:
     return {"rank": args.rank, "us_p50": statistics.median(samples) * 1e6}
 
 
+def _stream(client: Any, url: str, model: str, prompt: str, max_tokens: int
+            ) -> tuple[float, list[float], int]:
+    """One streamed completion: its send time, the arrival of every chunk carrying a
+    token (perf_counter; a token whose text is held back for the next one's bytes still
+    comes as a chunk, with empty text) and the tokens generated (the usage chunk)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("choices"):
+                stamps.append(time.perf_counter())
+            if ev.get("usage"):
+                tokens = int(ev["usage"]["completion_tokens"])
+    if len(stamps) < 2 or tokens != max_tokens:
+        raise AssertionError(f"{url}: asked {max_tokens} tokens with ignore_eos, got "
+                             f"{tokens} in {len(stamps)} chunks")
+    return sent, stamps, tokens
+
+
+def _decode_client(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    with httpx.Client(timeout=300, trust_env=False) as c:  # no proxy for 10.77.0.x
+        model = c.get(f"{args.url}/v1/models").json()["data"][0]["id"]
+        _stream(c, args.url, model, "Warm up: once upon a time", args.warmup_tokens)
+        ttft, rate, itl, chunks = [], [], [], []
+        for k in range(args.requests):
+            sent, stamps, tokens = _stream(
+                c, args.url, model, f"Request {k}: once upon a time there was", args.max_tokens)
+            ttft.append(stamps[0] - sent)
+            rate.append((tokens - 1) / (stamps[-1] - stamps[0]))
+            # the median gap too: the first few tokens can reach the client together
+            # (written out while the next steps run), which the first-to-last rate counts
+            itl.append(statistics.median(b - a for a, b in itertools.pairwise(stamps)))
+            chunks.append(len(stamps))
+    return {"ttft_ms": statistics.median(ttft) * 1e3, "tokens_per_s": statistics.median(rate),
+            "itl_ms_p50": statistics.median(itl) * 1e3, "chunks": chunks}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m phalanx_bench.multihost_rank")
     sub = p.add_subparsers(dest="mode", required=True)
@@ -253,6 +304,11 @@ def _parser() -> argparse.ArgumentParser:
     ar.add_argument("--iters", type=int, required=True)
     cyc = sub.add_parser("group-cycle")
     cyc.add_argument("--cycles", type=int, required=True)
+    dec = sub.add_parser("decode-client")
+    dec.add_argument("--url", required=True)
+    dec.add_argument("--max-tokens", type=int, required=True)
+    dec.add_argument("--requests", type=int, required=True)
+    dec.add_argument("--warmup-tokens", type=int, required=True)
     for s in (ar, cyc):
         s.add_argument("--world", type=int, required=True)
     for s in (rdv, ar, cyc):
@@ -263,7 +319,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _MODES = {"tcp-server": _tcp_server, "tcp-client": _tcp_client, "rendezvous": _rendezvous,
-          "allreduce": _allreduce, "group-cycle": _group_cycle}
+          "allreduce": _allreduce, "group-cycle": _group_cycle,
+          "decode-client": _decode_client}
 
 
 def main(argv: list[str] | None = None) -> int:
