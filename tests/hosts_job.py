@@ -73,6 +73,12 @@ def _basic(w: Any) -> None:
     sums = [f.result(timeout=90) for f in futs]
     keys_after = w.store_keys()
     dropped = w.drop_group_keys("t/basic")
+    churn = []  # groups formed and dropped in turn: the store holds only the live one
+    for i in range(3):
+        fs = [w.submit(r, "hosts_job:gloo_sum", addr, port, f"t/churn{i}", r, len(w.ranks),
+                       timeout=60) for r in w.ranks]
+        [f.result(timeout=90) for f in fs]
+        churn.append((w.store_keys(), w.drop_group_keys(f"t/churn{i}"), w.store_keys()))
     errors = {}
     last = len(w.ranks) - 1
     for name, call in (("main", lambda: w.submit(1, _local_only)),
@@ -85,7 +91,8 @@ def _basic(w: Any) -> None:
             errors[name] = f"{type(exc).__name__}: {exc}"
     _emit(event="done", where=got, sums=sums, errors=errors, nodes=w.nodes,
           rendezvous_s=w.rendezvous_s, alive=w.alive_ranks(), keys=[keys_before, keys_after,
-                                                                 dropped, w.store_keys()])
+                                                                 dropped, w.store_keys()],
+          churn=churn)
 
 
 def _local_only() -> None:

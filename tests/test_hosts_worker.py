@@ -89,6 +89,7 @@ def _check_basic(nodes: list[Host], tmp: Path, rpn: int) -> None:
     # the rendezvous left no key; the group's keys go with the group
     before, during, dropped, after = done["keys"]
     assert before == 0 and during == dropped > 0 and after == 0
+    assert done["churn"] == [[during, during, 0]] * 3  # bounded by what is live
     closed = next(e for e in events if e["event"] == "closed")
     assert [t for t in closed["threads"] if t.startswith("phalanx")] == []
 
