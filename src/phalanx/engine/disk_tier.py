@@ -159,6 +159,8 @@ class DiskTier:
                                            self.page_tokens, self.fingerprint, start,
                                            releases)
         except PhalanxError as exc:
+            # rank 0 may not have seen them: they go back, to be released with the next
+            self._releases[:0] = releases
             self._failed("lookup", exc)
             self.stats.load_failures += 1
             return 0
