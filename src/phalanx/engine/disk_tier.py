@@ -90,11 +90,14 @@ def rank_lookup(cache_id: str, keys: list[bytes], page_tokens: int, fingerprint:
                 start: int, releases: list[Lease]) -> tuple[int, Lease | None]:
     """Rank 0: release ``releases``, then the pages of ``keys`` cached, pinned in a
     lease when more than ``start`` (else nothing is held)."""
-    from ..replication import rank_cache
+    from ..replication import ReplicationError, rank_cache
 
     cache = rank_cache(cache_id)
     for lease in releases:
-        cache.release(lease)
+        try:
+            cache.release(lease)
+        except ReplicationError:
+            pass  # released already: given back again after a lookup whose reply was lost
     lease = cache.lookup_many([KeyChain(keys, page_tokens, fingerprint)])
     n = lease.pages[0]
     if n <= start:
