@@ -138,6 +138,10 @@ def test_tokenize_and_detokenize_round_trip(server: Server) -> None:
 
 def test_metrics_export_what_the_grafana_dashboard_queries(server: Server) -> None:
     _post(server, "/v1/completions", {"prompt": "count me", "max_tokens": 2})
+    # a request whose whole pages go to the disk tier: the cache's gauges have figures
+    _post(server, "/v1/completions", {"prompt": pages_prompt(260, seed=5), "max_tokens": 2})
+    wait_for(lambda: server.metric("phalanx:cache_disk_records") > 0, 60,
+             "the prompt's pages to reach the disk tier")
     text = server.client.get("/metrics").text
     exported = {re.sub(r"_(bucket|sum|count)$", "", line.split("{")[0].split(" ")[0])
                 for line in text.splitlines() if line and not line.startswith("#")}
@@ -151,6 +155,30 @@ def test_metrics_export_what_the_grafana_dashboard_queries(server: Server) -> No
                                 f"{sorted(queried - exported)}"
     assert server.metric("phalanx:request_success_total") >= 1
     assert server.metric("phalanx:ranks_alive") == 2
+    # per rank and replicated: both ranks come to hold the same records, of real bytes
+    records = wait_for(lambda: _settled(server, "phalanx:cache_disk_records"), 60,
+                       "both ranks' disk tiers to hold the same records")
+    assert set(records) == {'{rank="0"}', '{rank="1"}'} and min(records.values()) > 0
+    sizes = server.metric_by_label("phalanx:cache_disk_bytes")
+    assert set(sizes) == set(records) and min(sizes.values()) >= 64 * 1024
+    # rank 0's one link (to rank 1): its window, all its credits back once idle
+    assert server.metric_by_label("phalanx:replication_link_window") == {'{peer="1"}': 64.0}
+    wait_for(lambda: server.metric_by_label("phalanx:replication_link_window_free")
+             == {'{peer="1"}': 64.0}, 60, "the link to rank 1 to have every credit back")
+    assert server.metric_by_label("phalanx:replication_link_pending") == {'{peer="1"}': 0.0}
+    lines = server.client.get("/metrics").text.splitlines()
+    assert "phalanx:uncertain_resources 0.0" in lines  # exported, and nothing is uncertain
+    assert any(line.startswith("phalanx:cache_maintenance_queue ") for line in lines)
+    queued = server.metric_by_label("phalanx:cache_maintenance_queued")
+    assert set(queued) == set(records) and min(queued.values()) >= 0
+    assert server.metric("phalanx:prefix_cache_queries_total") >= \
+        server.metric("phalanx:prompt_tokens_computed_total") > 0
+
+
+def _settled(server: Server, name: str) -> dict[str, float] | None:
+    """A per-rank gauge once every rank reports the same value (None before)."""
+    values = server.metric_by_label(name)
+    return values if len(values) > 1 and len(set(values.values())) == 1 else None
 
 
 def test_concurrent_clients_some_disconnecting_mid_stream(server: Server) -> None:
@@ -218,6 +246,8 @@ def test_a_restart_on_the_same_disk_dir_serves_disk_hits(model_home: Path,
         again = _post(s, "/v1/completions", body).json()
         assert again["usage"]["cached_tokens_disk"] >= 64
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+        assert s.metric("phalanx:prefix_cache_hits_disk_total") == \
+            again["usage"]["cached_tokens_disk"]
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
     finally:
         assert s.stop() == 0

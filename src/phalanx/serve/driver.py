@@ -5,7 +5,12 @@ The engine is synchronous (``add_request``, ``abort``, ``step``) and owned by on
 thread, so nothing else ever touches it. Requests and aborts arrive through a command
 queue; each step's outputs go to the request's asyncio queue with
 ``call_soon_threadsafe``. A client that goes away closes its stream, which queues an
-abort: its pages are freed at the next step.
+abort: its pages are freed at the next step. A metrics scrape does not read the engine
+either: it asks, and the engine thread takes ``engine.stats()`` at its next step
+boundary (the ranks' gauges, which do not touch the scheduler, come from one run of
+the Worker on the scrape's thread: ``serve/gauges.py``).
+A step that gave a request its first token lets the HTTP layer write it out (at most
+``_FLUSH_WAIT_S``) before the next step takes the cores: time to first token.
 
 Health: the driver is healthy while the engine runs and every rank is alive. A rank
 that dies fails every request in flight at once (the engine's step raises, the runtime
@@ -32,12 +37,19 @@ from phalanx.errors import EngineDeadError
 
 from .api.engine_client import Delta, Health
 from .api.errors import APIError
+from .gauges import worker_gauges
 
 __all__ = ["EngineDriver"]
 
 log = logging.getLogger("phalanx.serve")
 
-_DISK_STATS_S = 2.0
+_DISK_STATS_S = 2.0   # the ranks' gauges are asked at most this often
+_STATS_WAIT_S = 5.0   # a scrape waits at most this long for the next step boundary
+# After a step that gave a request its first token, the next step waits at most this
+# long for the HTTP layer to write that token out: the ranks' next step otherwise takes
+# the cores (2 here) from the event loop and the client, and the first token reached
+# the client 1-9 ms after its step ended (issue 15's profile of one disk hit).
+_FLUSH_WAIT_S = 0.005
 
 
 @dataclass
@@ -48,6 +60,8 @@ class _Stream:
     sent_logprobs: int = 0
     admitted: float | None = None   # when the engine thread handed it to the engine
     first_sent: bool = False
+    unflushed: bool = False  # its first delta was delivered, not yet written out
+    closed: bool = False     # its iterator ended: nothing of it is written any more
 
 
 class EngineDriver:
@@ -76,8 +90,18 @@ class EngineDriver:
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
-        self._disk: dict[str, Any] = {}
-        self._disk_at = -_DISK_STATS_S
+        # stats: scrapes ask (_stats_asked), the engine thread answers between steps
+        self._stats_cv = threading.Condition()
+        self._stats_asked = 0
+        self._stats_taken = 0
+        self._stats_snapshot: dict[str, Any] = {}
+        self._cache_id: str | None = (engine.disk_cache.cache_id
+                                      if engine.disk_cache is not None else None)
+        self._gauges_lock = threading.Lock()
+        self._gauges: dict[str, Any] = {}
+        self._gauges_at = -_DISK_STATS_S
+        self._flush_cv = threading.Condition()
+        self._unflushed = 0  # streams whose first delta is delivered, not yet written
         self._thread = threading.Thread(target=self._loop, name="phalanx-engine", daemon=True)
         self._thread.start()
 
@@ -105,20 +129,59 @@ class EngineDriver:
         return Health(True)
 
     def stats(self) -> dict[str, Any]:
-        """The engine's gauges, and its disk tier's per-rank records (asked of the ranks
-        at most every ``_DISK_STATS_S``: a scrape must not cost a run per rank)."""
-        try:
-            out = dict(self.engine.stats())
+        """The engine's gauges, taken by the engine thread between two steps (never read
+        here while it steps), and the ranks' gauges (disk tier records and bytes per
+        rank, maintenance queue, link windows, uncertain resources), asked of the ranks
+        at most every ``_DISK_STATS_S``: a scrape must not cost a run per rank."""
+        out = self._engine_stats()
+        if "error" in out:
+            return out
+        with self._gauges_lock:  # one scrape asks the ranks; the others reuse its answer
             now = time.monotonic()
-            if now - self._disk_at > _DISK_STATS_S:
-                self._disk = self.engine.disk_records()
-                self._disk_at = now
-            out.update(self._disk)
+            if now - self._gauges_at > _DISK_STATS_S:
+                try:
+                    self._gauges = worker_gauges(self.engine.group.worker, self._cache_id)
+                except Exception as exc:  # noqa: BLE001  a scrape must not fail while the engine dies
+                    log.warning("metrics: the ranks' gauges are unavailable: %s", exc)
+                    self._gauges = {}
+                self._gauges_at = now
+            out.update(self._gauges)
+        return out
+
+    def _engine_stats(self) -> dict[str, Any]:
+        """``engine.stats()`` as the engine thread took it at its next step boundary (at
+        most ``_STATS_WAIT_S`` away; past that, the last snapshot it took)."""
+        with self._stats_cv:
+            self._stats_asked += 1
+            want = self._stats_asked
+        self._wake.set()
+        with self._stats_cv:
+            taken = self._stats_cv.wait_for(
+                lambda: self._stats_taken >= want or not self._thread.is_alive(),
+                _STATS_WAIT_S)
+            if taken and self._stats_taken >= want:
+                return dict(self._stats_snapshot)
+            if self._thread.is_alive():  # a step longer than the wait: the last figures
+                return dict(self._stats_snapshot)
+        try:  # the engine thread is gone: nothing else touches the engine any more
+            return dict(self.engine.stats())
         except Exception as exc:  # noqa: BLE001  a scrape must not fail while the engine dies
             return {"error": str(exc)}
-        flat = out.pop("cache_maintenance_queue", {})
-        out["cache_maintenance_queue"] = sum(flat.values()) if isinstance(flat, dict) else flat
-        return out
+
+    def _take_stats(self) -> None:
+        """On the engine thread, between steps: answer the scrapes waiting for figures."""
+        with self._stats_cv:
+            asked = self._stats_asked
+            if asked == self._stats_taken:
+                return
+        try:
+            snapshot = dict(self.engine.stats())
+        except Exception as exc:  # noqa: BLE001  a scrape must not fail while the engine dies
+            snapshot = {"error": str(exc)}
+        with self._stats_cv:
+            self._stats_snapshot = snapshot
+            self._stats_taken = asked
+            self._stats_cv.notify_all()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[Delta]:
@@ -142,13 +205,25 @@ class EngineDriver:
                     raise item
                 finished = item.finish_reason is not None
                 yield item  # the final delta too: the slot is held until we are closed
+                # pulled again: the consumer wrote the previous delta out (a streamed
+                # response's chunk was sent before the next one is asked for)
+                self._flushed(stream)
                 if finished:
                     return
         finally:
+            self._flushed(stream, closed=True)
             with self._lock:
                 self._slots.discard(request_id)
             if not finished:  # the client went away (or the server stops): free its KV
                 self._send("abort", request_id)
+
+    def _flushed(self, stream: _Stream, closed: bool = False) -> None:
+        with self._flush_cv:
+            stream.closed = stream.closed or closed
+            if stream.unflushed:
+                stream.unflushed = False
+                self._unflushed -= 1
+                self._flush_cv.notify_all()
 
     # -- the engine thread ------------------------------------------------------------
 
@@ -187,9 +262,17 @@ class EngineDriver:
                     self._streams.pop(payload, None)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:  # scrapes waiting for a step boundary read the engine themselves now
+            with self._stats_cv:
+                self._stats_cv.notify_all()
+
+    def _serve(self) -> None:
         next_watch = time.monotonic() + self._watch_interval
         while not self._stopping:
             self._apply_commands()
+            self._take_stats()
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
@@ -201,6 +284,9 @@ class EngineDriver:
                 if self.engine.dead is not None:
                     self._die(self.engine.dead)
                     return
+                if self._unflushed and self.engine.has_unfinished():
+                    with self._flush_cv:  # a first token goes out before the next step
+                        self._flush_cv.wait_for(lambda: self._unflushed == 0, _FLUSH_WAIT_S)
             else:
                 self._wake.wait(self._watch_interval)
                 self._wake.clear()
@@ -232,6 +318,10 @@ class EngineDriver:
         queue_time = None
         if stream is not None and not stream.first_sent:
             stream.first_sent = True
+            with self._flush_cv:
+                if not out.finished and not stream.closed:  # (a closed one never flushes)
+                    stream.unflushed = True
+                    self._unflushed += 1
             if stream.admitted is not None:
                 queue_time = stream.admitted - stream.submitted
         delta = Delta(token_ids=list(comp.delta_token_ids), text=comp.delta_text,

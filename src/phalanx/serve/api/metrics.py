@@ -42,7 +42,8 @@ _ENGINE_GAUGES = {
     "num_requests_waiting": "Requests waiting to be scheduled.",
     "kv_cache_usage_perc": "Fraction of KV pages in use (1 = full).",
     "ranks_alive": "Rank processes alive (the job serves only when all are).",
-    "uncertain_resources": "Resources whose release failed and are still owned.",
+    "uncertain_resources": "Resources whose release failed and are still owned (the "
+                           "parent's and every rank's ledger).",
     "engine_restarts": "Times the server restarted its ranks after a failure.",
 }
 _ENGINE_COUNTERS = {
@@ -55,13 +56,17 @@ _ENGINE_COUNTERS = {
 _PER_RANK_GAUGES = {
     "cache_disk_records": "Records in each rank's disk tier.",
     "cache_disk_bytes": "Bytes in each rank's disk tier.",
+    "cache_maintenance_queued": "Maintenance jobs each rank's disk tier knows of (rank 0 "
+                                "decides them, the peers apply what it sends).",
 }
 _PER_PEER_GAUGES = {
+    "replication_link_window": "Credits of rank 0's link to each peer (its window).",
     "replication_link_window_free": "Free credits in rank 0's link to each peer.",
     "replication_link_pending": "Ops waiting for credits on rank 0's link to each peer.",
 }
 _SCALAR_GAUGES = {
-    "cache_maintenance_queue": "Maintenance jobs the disk tier still has to do.",
+    "cache_maintenance_queue": "Maintenance jobs the disk tier still has to do (rank 0's "
+                               "queue: it decides them).",
 }
 
 _REQUEST_METRICS = [
