@@ -144,9 +144,30 @@ def _incident(w: Any, cache_dir: str, capacity: int, cut_marker: str) -> None:
         _emit(event="close_failed", error=str(exc))
 
 
+def _tiered(w: Any, iters: int) -> None:
+    """The same-host domains of a job of hosts with several ranks each, and one
+    all-reduce's cost over gloo alone and over the tiered path, measured on every rank."""
+    from phalanx.engine.host_domains import TP_WINDOW, open_host_domain, release_host_domain
+
+    nodes = len(w.nodes)
+    ids = [w.call_host(n, open_host_domain, "t_tiered", TP_WINDOW, 60.0) for n in range(nodes)]
+    addr, port = w.store_address
+    per = w.ranks_per_node
+    out: dict[str, Any] = {}
+    for nbytes in (4096, 65536):
+        futs = [w.submit(r, "phalanx.engine.host_domains:allreduce_us", addr, port,
+                         f"t/tiered{nbytes}", r, len(w.ranks), per, ids[r // per],
+                         "t_tiered", nbytes, iters, timeout=300) for r in w.ranks]
+        out[str(nbytes)] = [f.result(timeout=330) for f in futs]
+        w.drop_group_keys(f"t/tiered{nbytes}")
+    released = [w.call_host(n, release_host_domain, "t_tiered") for n in range(nodes)]
+    _emit(event="done", allreduce_us=out, released=released, keys=w.store_keys())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["basic", "hold", "incident"])
+    p.add_argument("scenario", choices=["basic", "hold", "incident", "tiered"])
+    p.add_argument("--iters", type=int, default=50)
     p.add_argument("--cache", default="")
     p.add_argument("--capacity", type=int, default=1 << 30)
     p.add_argument("--nnodes", type=int, required=True)
@@ -165,6 +186,8 @@ def main() -> int:
         _emit(event="up", ranks=list(w.ranks))
         if args.scenario == "basic":
             _basic(w)
+        elif args.scenario == "tiered":
+            _tiered(w, args.iters)
         elif args.scenario == "incident":
             _incident(w, args.cache, args.capacity, args.marker)
         else:

@@ -188,3 +188,24 @@ def test_a_partition_during_a_replication_burst_names_the_peer(tmp_path: Path) -
             assert a.returncode == 1
         assert time.monotonic() - cut < 90
         nodes[2].link_up()
+
+
+def test_same_host_ranks_keep_shared_memory_in_a_job_of_hosts(tmp_path: Path) -> None:
+    """2 hosts x 2 ranks: each host's pair reduces over its own domain, the host sums
+    cross over gloo; the same sums as gloo alone (the engine's answers are checked in
+    test_hosts_serve), and the domains are released with nothing left."""
+    with hosts(2) as nodes:
+        head, agents = _start(nodes, tmp_path, "tiered", rpn=2, extra=["--iters", "20"])
+        events, err = _events(head)
+        for a in agents:
+            a.communicate(timeout=WAIT_S)
+        done = next((e for e in events if e["event"] == "done"), None)
+        assert done is not None, (events, err[-3000:])
+        assert done["released"] == [True, True] and done["keys"] == 0
+        for per_rank in done["allreduce_us"].values():
+            assert len(per_rank) == 4 and all(r["gloo"] > 0 and r["tiered"] > 0
+                                              for r in per_rank)
+        print("all-reduce µs per rank (gloo, tiered):",
+              {n: [(round(r["gloo"]), round(r["tiered"])) for r in v]
+               for n, v in done["allreduce_us"].items()})
+        assert head.returncode == 0 and all(a.returncode == 0 for a in agents)

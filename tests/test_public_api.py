@@ -54,7 +54,7 @@ PUBLIC: dict[str, list[str]] = {
     "phalanx.comm": [
         "BaseNotReadyError", "CollectiveError", "Domain", "DomainAllocationError",
         "DomainError", "DomainOrchestrator", "DomainReleasedError", "DomainSpecError",
-        "DomainState", "DomainView", "Worker",
+        "DomainState", "DomainView", "Worker", "view_of",
     ],
     "phalanx.kvstore": [
         "CacheError", "CacheStats", "CapacityError", "DiskFullError", "DiskStore",

@@ -11,7 +11,7 @@ from ._errors import (
     DomainReleasedError,
     DomainSpecError,
 )
-from .domain import Domain, DomainState
+from .domain import Domain, DomainState, view_of
 from .view import DomainView
 from .worker import DomainOrchestrator, Worker
 
@@ -27,4 +27,5 @@ __all__ = [
     "DomainState",
     "DomainView",
     "Worker",
+    "view_of",
 ]

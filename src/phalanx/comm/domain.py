@@ -44,6 +44,13 @@ class Domain:
         return (_resolve_view, (self.spec.alloc_id, self.spec.name))
 
 
+def view_of(alloc_id: int, name: str) -> Any:
+    """This rank's view of the live domain ``alloc_id`` (``name`` for the error), from a
+    task: what a task that got the domain as an argument holds, for one that got its id
+    (a task sent from another host, whose arguments are typed values, not pickles)."""
+    return _resolve_view(alloc_id, name)
+
+
 def _resolve_view(alloc_id: int, name: str) -> Any:
     """Runs in the rank when a task's arguments are unpickled."""
     from .rank_state import rank_comm

@@ -27,6 +27,7 @@ from typing import Any, TypeVar, cast
 
 from ._errors import EngineError
 from .disk_tier import DiskLoads
+from .host_domains import TP_WINDOW, open_host_domain, release_host_domain
 from .quiet import QuietGate
 
 __all__ = ["HostRankGroup", "close_rank", "execute_rank", "open_rank"]
@@ -40,8 +41,10 @@ _ids = itertools.count(1)
 
 def open_rank(runner_id: str, model_dir: str, kwargs: dict[str, Any], seed: int,
               store_addr: str, store_port: int, prefix: str, rank: int, world: int,
-              ranks_here: int, timeout: float, staging: bool) -> dict[str, Any]:
-    """Join the TP group and open this rank's runner; its memory report."""
+              ranks_here: int, timeout: float, staging: bool,
+              host_domain: tuple[int, str] | None) -> dict[str, Any]:
+    """Join the TP group and open this rank's runner; its memory report. ``host_domain``
+    (id, name): the domain of this rank's host, for the tiered path (host_domains.py)."""
     import torch
 
     from phalanx.hosts.dist import destroy, join_group
@@ -57,8 +60,12 @@ def open_rank(runner_id: str, model_dir: str, kwargs: dict[str, Any], seed: int,
     try:
         # this host's cores are shared by its own ranks only
         threads = max(1, len(os.sched_getaffinity(0)) // max(1, ranks_here))
-        runner = open_runner(runner_id, model_dir, TorchDistComm(group), threads=threads,
-                             **kwargs)
+        comm: Any = TorchDistComm(group)
+        if host_domain is not None:
+            from .host_domains import tiered_comm
+
+            comm = tiered_comm(group, ranks_here, *host_domain)
+        runner = open_runner(runner_id, model_dir, comm, threads=threads, **kwargs)
     except BaseException:
         destroy()
         raise
@@ -95,7 +102,7 @@ class HostRankGroup:
 
     def __init__(self, hosts: Any, model_dir: str, tp: int, runner_kwargs: dict[str, Any], *,
                  step_timeout: float, start_timeout: float, seed: int,
-                 staging: bool = False) -> None:
+                 staging: bool = False, same_host_shm: bool = True) -> None:
         if tp != len(hosts.ranks):
             raise EngineError(f"tensor_parallel_size={tp} but the job has "
                               f"{len(hosts.ranks)} ranks ({len(hosts.nodes)} nodes x "
@@ -109,14 +116,24 @@ class HostRankGroup:
         self._quiet = QuietGate()
         addr, port = hosts.store_address
         prefix = self._prefix = f"phx/tp/{self.runner_id}"
-        futs = [hosts.submit(r, open_rank, self.runner_id, model_dir, runner_kwargs, seed,
-                             addr, port, prefix, r, tp, hosts.ranks_per_node, start_timeout,
-                             staging, timeout=start_timeout + 30) for r in hosts.ranks]
+        per_node, nodes = hosts.ranks_per_node, len(hosts.nodes)
+        # same-host peers keep shared memory where a host has several ranks
+        self._domain = (f"{self.runner_id}_host" if same_host_shm and per_node > 1
+                        and nodes > 1 else None)
+        futs: list[concurrent.futures.Future[Any]] = []
         try:
+            ids = ([hosts.call_host(n, open_host_domain, self._domain, TP_WINDOW,
+                                    start_timeout) for n in range(nodes)]
+                   if self._domain is not None else [])
+            futs = [hosts.submit(r, open_rank, self.runner_id, model_dir, runner_kwargs, seed,
+                                 addr, port, prefix, r, tp, per_node, start_timeout,
+                                 staging, (ids[r // per_node], self._domain) if ids else None,
+                                 timeout=start_timeout + 30) for r in hosts.ranks]
             self.memory: list[dict[str, Any]] = self._gather(futs, start_timeout + 60)
         except BaseException as exc:
             self.dead = exc
             self._close_opened(futs)
+            self._release_domains()
             raise
         self._opened = True
 
@@ -171,11 +188,21 @@ class HostRankGroup:
             except Exception as exc:  # noqa: BLE001  reported, the others still closed
                 log.warning("engine: closing the runner on rank %d: %s", r, exc)
 
+    def _release_domains(self) -> None:
+        if self._domain is None or self.worker.dead is not None:
+            return  # none, or the job is over: each agent releases what its host holds
+        for n in range(len(self.worker.nodes)):
+            try:
+                self.worker.call_host(n, release_host_domain, self._domain, timeout=60)
+            except Exception as exc:  # noqa: BLE001  the other hosts are still asked
+                log.warning("engine: releasing the TP domain on node %d: %s", n, exc)
+
     def close(self, timeout: float = 60.0) -> None:
         started = time.monotonic()
         if self._opened:
             self._opened = False
             self._close_ranks(list(self.worker.ranks))
+            self._release_domains()  # after the runners: they map the domains' windows
             if self.worker.dead is None:  # every rank left the group: its keys go too
                 self.worker.drop_group_keys(self._prefix)
         log.debug("engine: host rank group closed in %.2fs", time.monotonic() - started)

@@ -29,7 +29,8 @@ from ._errors import EngineError
 if TYPE_CHECKING:
     from phalanx.comm import DomainView
 
-__all__ = ["DomainComm", "SoloComm", "TPComm", "TorchDistComm", "intra_op_threads"]
+__all__ = ["DomainComm", "HostTieredComm", "SoloComm", "TPComm", "TorchDistComm",
+           "intra_op_threads"]
 
 _ALIGN = 64
 _LEN = struct.Struct("<Q")
@@ -312,3 +313,33 @@ class TorchDistComm:
         if buf.numel():
             self._dist.broadcast(buf, src=src, group=self.group)
         return data if self.rank == root and data is not None else bytes(buf.cpu().numpy())
+
+
+class HostTieredComm:
+    """TP across hosts whose ranks share hosts: same-host peers reduce over their
+    shared-memory domain, then each rank all-reduces its host's sum with the ranks of the
+    same local index on the other hosts (gloo); all-gather and broadcast go over the
+    job's whole group.
+
+    Every rank ends with the same bits: a host's sum is identical on its ranks (the domain
+    sums in member order), and every cross-host group reduces identical inputs with the
+    same algorithm."""
+
+    def __init__(self, local: DomainComm, cross: TorchDistComm, world: TorchDistComm) -> None:
+        self.local, self.cross, self.world = local, cross, world
+        self.rank, self.size = world.rank, world.size
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        return self.local.step()
+
+    def close(self) -> None:
+        self.local.close()
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return self.cross.all_reduce(self.local.all_reduce(t))
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return self.world.all_gather(t)
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        return self.world.broadcast_bytes(data, root)

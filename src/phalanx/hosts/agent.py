@@ -157,7 +157,8 @@ class HostAgent:
 
     def _call(self, channel: Channel, local: LocalRanks, call: Call) -> None:
         try:
-            value = local.execute(call.rank, call.fn, call.args, call.timeout)
+            value = (local.execute_host(call.fn, call.args) if call.host
+                     else local.execute(call.rank, call.fn, call.args, call.timeout))
             reply = Reply(call.id, True, value)
         except BaseException as exc:  # noqa: BLE001  every failure goes back to node 0
             reply = Reply(call.id, False, error=type(exc).__name__,

@@ -75,6 +75,7 @@ class Call(msgspec.Struct, tag="call", frozen=True):
     fn: str  # "module:qualname"
     args: bytes  # msgpack of the argument list
     timeout: float | None
+    host: bool = False  # run in the node's agent, given its LocalRanks (rank: any of its)
 
 
 class Reply(msgspec.Struct, tag="reply", frozen=True):

@@ -11,10 +11,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from .control import decode_value, encode_value
-from .functions import run_on_rank
+from .functions import resolve, run_on_rank, typed_args
 
 __all__ = ["LocalRanks"]
 
@@ -41,6 +43,8 @@ class LocalRanks:
         self.worker = Worker(ranks=count, start_timeout=start_timeout,
                              task_timeout=task_timeout, close_timeout=close_timeout,
                              runtime_dir=runtime_dir, env=rank_env)
+        self._lock = threading.Lock()
+        self._held: dict[str, Callable[[], None]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             _MAX_CALLS, thread_name_prefix=f"phalanx-node{node}-call")
 
@@ -64,6 +68,30 @@ class LocalRanks:
         value = run_on_rank(self.worker, local, name, list(decode_value(args)), timeout)
         return encode_value(value, f"{name} on rank {rank}")
 
+    def execute_host(self, name: str, args: bytes) -> bytes:
+        """``name(self, *args)`` here, in this host's agent (or node 0's process), not in
+        a rank: a host-level step such as a domain of this host's ranks (the function
+        owns what it makes through :meth:`hold`)."""
+        fn = resolve(name)
+        value = fn(self, *typed_args(fn, [None, *decode_value(args)], name)[1:])
+        return encode_value(value, f"{name} on node {self.node}")
+
+    def hold(self, key: str, release: Callable[[], None]) -> None:
+        """Own a host-level resource until :meth:`release` (or close, before the ranks
+        stop: a domain's run must end before its ranks do)."""
+        with self._lock:
+            if key in self._held:
+                raise ValueError(f"node {self.node}: {key!r} is held already")
+            self._held[key] = release
+
+    def release(self, key: str) -> bool:
+        with self._lock:
+            release = self._held.pop(key, None)
+        if release is None:
+            return False
+        release()
+        return True
+
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:
         return self._pool
 
@@ -73,11 +101,23 @@ class LocalRanks:
         return {self.first + r for r in range(self.count) if r not in alive}
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the ranks (``timeout``: the Worker's close deadline; tasks still running
-        then are killed with their rank)."""
+        """Release what the host holds, then stop the ranks (``timeout``: the Worker's
+        close deadline; tasks still running then are killed with their rank). Raises
+        one WorkerError naming every failure; the ranks are stopped either way."""
+        from phalanx.runtime import WorkerError
+
         self._pool.shutdown(wait=False, cancel_futures=True)
+        errors: list[str] = []
+        for key in list(self._held):
+            try:
+                self.release(key)
+            except Exception as exc:  # noqa: BLE001  the ranks stop either way
+                errors.append(f"releasing {key}: {exc}")
         try:
             self.worker.close(timeout)
+        except Exception as exc:  # noqa: BLE001  reported with the others
+            errors.append(f"closing its ranks: {exc}")
         finally:
             self._pool.shutdown(wait=True)
-            log.debug("node %d: local ranks closed (pid %d)", self.node, os.getpid())
+        if errors:
+            raise WorkerError(f"node {self.node} (pid {os.getpid()}): " + "; ".join(errors))

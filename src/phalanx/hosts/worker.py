@@ -305,10 +305,21 @@ class MultiHostWorker:
         assert self.membership is not None
         return self.membership.peers[node].addr
 
+    def call_host(self, node: int, fn: Callable[..., Any] | str, *args: Any,
+                  timeout: float | None = None) -> Any:
+        """``fn(local, *args)`` in node ``node``'s agent (node 0: this process), where
+        ``local`` is that host's :class:`~phalanx.hosts.local.LocalRanks`: a host-level
+        step (a domain of the host's ranks); its result."""
+        t = self.task_timeout if timeout is None else timeout
+        return self.submit(node * self.ranks_per_node, fn, *args, timeout=t,
+                           host=True).result(timeout=t + 30)
+
     def submit(self, rank: int, fn: Callable[..., Any] | str, *args: Any,
-               timeout: float | None = None) -> concurrent.futures.Future[Any]:
+               timeout: float | None = None, host: bool = False
+               ) -> concurrent.futures.Future[Any]:
         """``fn(*args)`` on global rank ``rank``; its future. ``fn``: an importable
-        function or its ``module:function`` name; ``args``: plain values."""
+        function or its ``module:function`` name; ``args``: plain values. ``host``: run
+        it in the rank's host agent instead (see :meth:`call_host`)."""
         name = function_name(fn)
         target = resolve(name)  # importable here too: its result is typed by it
         node_rank = self.node_of(rank)
@@ -323,7 +334,9 @@ class MultiHostWorker:
         fut.add_done_callback(self._settled)
         if node_rank == 0:
             assert self.local is not None
-            inner = self.local.submit(rank, name, data, timeout)
+            local = self.local
+            inner = (local.pool().submit(lambda: decode_value(local.execute_host(name, data)))
+                     if host else local.submit(rank, name, data, timeout))
             inner.add_done_callback(lambda f: _copy(f, fut))
             return fut
         node = self._nodes[node_rank]
@@ -335,7 +348,7 @@ class MultiHostWorker:
                 return fut
             node.pending[call_id] = fut
         try:
-            node.channel.send(Call(call_id, rank, name, data, timeout))
+            node.channel.send(Call(call_id, rank, name, data, timeout, host))
         except ChannelClosedError as exc:
             self._lose(node, str(exc))
         return fut

@@ -1,0 +1,117 @@
+"""Same-host ranks of a multi-host TP group keep their shared-memory path.
+
+In a job of several hosts with more than one rank on each (2 hosts x 2 ranks), the ranks
+of a host reduce over a phalanx domain of that host (shared memory, ~15 µs), and only
+the host sums cross the network (:class:`~phalanx.engine.tp.HostTieredComm`). The domain
+is a host-level resource: :func:`open_host_domain` runs in the host's agent (node 0: its
+own process), where a run of the host's Worker allocates it and holds it until
+:func:`release_host_domain` (or the agent's close) ends the run; the ranks reach their
+view by the domain's id (:func:`phalanx.comm.view_of`), a typed value that crosses hosts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import statistics
+import threading
+import time
+from typing import Any
+
+__all__ = ["allreduce_us", "open_host_domain", "release_host_domain", "tiered_comm"]
+
+TP_WINDOW = 4 << 20  # per-rank staging window, as a same-host TP domain's
+
+
+# -- host level (in the agent; ``local`` is its LocalRanks) -------------------------------
+
+def open_host_domain(local: Any, name: str, window: int, timeout: float) -> int:
+    """Allocate a domain of this host's ranks, held by a run until released; its id."""
+    ready: concurrent.futures.Future[int] = concurrent.futures.Future()
+    release = threading.Event()
+
+    def hold(o: Any) -> None:
+        try:
+            domain = o.allocate_domain(name, ranks=list(o.ranks), window_size=window)
+        except BaseException as exc:
+            ready.set_exception(exc)
+            raise
+        ready.set_result(domain.alloc_id)
+        release.wait()
+        o.release_domain(domain)  # its memory goes at the run's fence, after its tasks
+
+    handle = local.worker.submit(hold)
+    alloc_id = ready.result(timeout=timeout)
+
+    def end() -> None:
+        release.set()
+        handle.result(timeout=timeout)
+
+    local.hold(f"domain/{name}", end)
+    return alloc_id
+
+
+def release_host_domain(local: Any, name: str) -> bool:
+    """End the run holding domain ``name`` (after every rank closed what maps it)."""
+    return bool(local.release(f"domain/{name}"))
+
+
+# -- the rank side --------------------------------------------------------------------
+
+def tiered_comm(world_group: Any, per_node: int, alloc_id: int, name: str) -> Any:
+    """This rank's tiered communicator: its host's domain, then its cross-host group
+    (every rank makes every cross group, in the same order, as torch.distributed
+    requires)."""
+    import torch.distributed as dist
+
+    from phalanx.comm import view_of
+
+    from .tp import DomainComm, HostTieredComm, TorchDistComm
+
+    world = TorchDistComm(world_group)
+    nodes = world.size // per_node
+    groups = [dist.new_group([n * per_node + i for n in range(nodes)])
+              for i in range(per_node)]
+    return HostTieredComm(DomainComm(view_of(alloc_id, name)),
+                          TorchDistComm(groups[world.rank % per_node]), world)
+
+
+def allreduce_us(store_addr: str, store_port: int, prefix: str, rank: int, world: int,
+                 per_node: int, alloc_id: int, name: str, nbytes: int,
+                 iters: int) -> dict[str, float]:
+    """Median µs of one all-reduce of ``nbytes`` float32 over the whole job's gloo group
+    and over the tiered path, measured in turn in this rank (a benchmark's rank task)."""
+    import torch
+
+    from phalanx.hosts.dist import destroy, join_group
+
+    from .tp import TorchDistComm
+
+    group = join_group(store_addr, store_port, prefix, rank, world, 60.0)
+    try:
+        comms = {"gloo": TorchDistComm(group), "tiered": tiered_comm(group, per_node,
+                                                                     alloc_id, name)}
+        t = torch.ones(nbytes // 4)
+        out: dict[str, float] = {}
+        for label, comm in comms.items():
+            step = getattr(comm, "step", None)
+            with step() if step is not None else contextlib.nullcontext():
+                for _ in range(5):
+                    comm.all_reduce(t)
+                    t.fill_(1.0)
+                times = []
+                for _ in range(iters):
+                    start = time.perf_counter()
+                    comm.all_reduce(t)
+                    times.append((time.perf_counter() - start) * 1e6)
+                    if not bool((t == float(world)).all()):
+                        raise RuntimeError(f"rank {rank}: the {label} all-reduce of ones "
+                                           f"over {world} ranks did not give {world}")
+                    t.fill_(1.0)
+            out[label] = statistics.median(times)
+            if hasattr(comm, "close"):
+                comm.close()
+        return out
+    finally:
+        destroy()
+
