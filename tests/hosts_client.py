@@ -32,12 +32,30 @@ def answers(url: str, prompt: str) -> None:
         stream_options={"include_usage": True}, messages=[{"role": "user", "content": "Hi"}]))
     health = httpx.get(f"{url}/health", timeout=30)
     ids = httpx.post(f"{url}/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
-    _emit(event="answers", prompt_ids=ids, texts=[o.choices[0].text for o in outs],
+    _emit(event="answers", prompt_ids=ids, records=_stored(url),
+          texts=[o.choices[0].text for o in outs],
           cached=[o.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
                   for o in outs],
           prompt_tokens=outs[0].usage.prompt_tokens,  # type: ignore[union-attr]
           chat="".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices),
           chat_usage=chunks[-1].usage is not None, health=health.status_code)
+
+
+def _stored(url: str) -> dict[str, float]:
+    """Each rank's disk tier records once every rank holds the prompt's (the stores run
+    in the background after the answer): rank -> records, read from /metrics."""
+    deadline = time.monotonic() + 60
+    records: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        records = {}
+        for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+            if line.startswith("phalanx:cache_disk_records{"):
+                rank = line.split('rank="', 1)[1].split('"', 1)[0]
+                records[rank] = float(line.rsplit(" ", 1)[1])
+        if records and min(records.values()) >= 1:
+            return records
+        time.sleep(0.1)
+    return records
 
 
 def stream(url: str) -> None:

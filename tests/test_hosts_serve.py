@@ -153,6 +153,8 @@ def _serve_and_check(nodes: list[Host], tmp: Path, model: Path, tp: int,
     got = _events(_client(nodes[0], "answers", f"http://{nodes[0].addr}:{HTTP}", PROMPT))
     a = got["answers"]
     assert a["health"] == 200
+    assert sorted(a["records"]) == [str(r) for r in range(tp)]  # every rank's shard...
+    assert min(a["records"].values()) >= 1  # ...holds the prompt (from /metrics)
     first, again = a["texts"]
     assert first == again  # the cache's answer is the recomputed one...
     assert (a["cached"][0] >= 64) == warm and a["cached"][1] >= 64  # ...from the cache
@@ -186,7 +188,10 @@ def test_a_host_killed_mid_request_fails_it_and_ends_the_job(tmp_path: Path,
     with hosts(3) as nodes:
         servers = _start(nodes, tmp_path, model_dir, tp=3)
         servers[0].wait_line("ready at")
-        client = _client(nodes[0], "stream", f"http://{nodes[0].addr}:{HTTP}")
+        url = f"http://{nodes[0].addr}:{HTTP}"
+        warmed = _events(_client(nodes[0], "answers", url, PROMPT))["answers"]
+        assert min(warmed["records"].values()) >= 1  # on every host's disk
+        client = _client(nodes[0], "stream", url)
         assert client.stdout is not None
         assert json.loads(client.stdout.readline())["event"] == "streaming"
         killed = time.monotonic()
@@ -199,6 +204,9 @@ def test_a_host_killed_mid_request_fails_it_and_ends_the_job(tmp_path: Path,
             assert s.wait_exit() == 1, s.text()[-3000:]
             assert f"node 2 ({nodes[2].addr})" in s.text(), s.text()[-3000:]
         assert time.monotonic() - killed < 90  # bounded (the request would run minutes)
+        # restarted (as a supervisor would): every host's cache is recovered, node 2's
+        # too, and the first repeated request of the earlier job is a disk hit
+        _serve_and_check(nodes, tmp_path, model_dir, tp=3, warm=True)
 
 
 def test_a_partition_during_decode_fails_within_the_timeout(tmp_path: Path,

@@ -51,15 +51,36 @@ def _each_rank(o: Any, cache_id: str | None, timeout: float, out: dict[int, Any]
         out[r] = f.result() if exc is None else exc
 
 
+def _each_host_rank(worker: Any, cache_id: str | None, timeout: float) -> dict[int, Any]:
+    futs = {r: worker.submit(r, rank_gauges, cache_id, timeout=timeout) for r in worker.ranks}
+    out: dict[int, Any] = {}
+    for r, f in futs.items():
+        try:
+            out[r] = f.result(timeout=timeout + _SETTLE_S)
+        except Exception as exc:  # noqa: BLE001  left out, the rest reported
+            out[r] = exc
+    return out
+
+
 def worker_gauges(worker: Any, cache_id: str | None, timeout: float = 10.0) -> dict[str, Any]:
     """The gauges of every rank of ``worker`` plus the parent's uncertain resources, in
     the names :mod:`phalanx.serve.api.metrics` exports. A rank that did not answer within
     ``timeout`` is missing from the per-rank gauges (and its resources from the count)."""
+    from phalanx.hosts import MultiHostWorker
+
     per_rank: dict[int, Any] = {}
-    handle = worker.submit(_each_rank, cache_id, timeout, per_rank)
-    handle.wait(timeout + _SETTLE_S)
+    if isinstance(worker, MultiHostWorker):
+        # ranks on several hosts: one typed call per rank (no runs across hosts); node
+        # 0's own parent ledger is its host Worker's
+        per_rank = _each_host_rank(worker, cache_id, timeout)
+        parent_stats = worker.local.worker.stats() if worker.local is not None else None
+    else:
+        handle = worker.submit(_each_rank, cache_id, timeout, per_rank)
+        handle.wait(timeout + _SETTLE_S)
+        parent_stats = worker.stats()
     answered = {r: g for r, g in per_rank.items() if isinstance(g, dict)}
-    parent = worker.stats().extra.get("parent_resources", {}).get("uncertain", [])
+    parent = (parent_stats.extra.get("parent_resources", {}).get("uncertain", [])
+              if parent_stats is not None else [])
     out: dict[str, Any] = {
         "uncertain_resources": len(parent) + sum(g["uncertain"] for g in answered.values()),
     }
