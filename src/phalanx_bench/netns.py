@@ -31,6 +31,7 @@ import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from phalanx.comm.rank_state import pid_alive
 from phalanx.lifecycle import PhalanxError
 
 __all__ = ["SUBNET", "Host", "NetnsError", "NetnsUnavailable", "hosts",
@@ -212,14 +213,6 @@ def _maker(name: str) -> int | None:
     return int(pid) if pid.isdigit() and "x" in name[3:] else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def sweep_stale() -> list[str]:
@@ -231,7 +224,7 @@ def sweep_stale() -> list[str]:
     removed = []
     for name in _list():
         pid = _maker(name)
-        if pid is None or _alive(pid):
+        if pid is None or pid_alive(pid):
             continue
         pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
                               timeout=_IP_TIMEOUT_S, check=False).stdout.split()

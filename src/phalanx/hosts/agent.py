@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .args import add_node_arguments
 from .control import (
     VERSION,
     Beat,
@@ -200,10 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m phalanx.hosts.agent",
                                 description="Run node R's ranks of a multi-host job.")
-    p.add_argument("--nnodes", type=int, required=True)
-    p.add_argument("--node-rank", type=int, required=True)
-    p.add_argument("--master-addr", required=True)
-    p.add_argument("--master-port", type=int, required=True)
+    add_node_arguments(p)
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--timeout", type=float, default=60.0, help="rendezvous seconds")
     p.add_argument("--lost-after", type=float, default=5.0,

@@ -21,16 +21,14 @@ import time
 
 from phalanx.rendezvous import HandshakeTimeoutError, RendezvousError
 
+from .args import add_node_arguments
 from .rendezvous import NodeSpec, rendezvous
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m phalanx.hosts.probe",
                                      description="Rendezvous one node; print a JSON line.")
-    parser.add_argument("--nnodes", type=int, required=True)
-    parser.add_argument("--node-rank", type=int, required=True)
-    parser.add_argument("--master-addr", required=True)
-    parser.add_argument("--master-port", type=int, required=True)
+    add_node_arguments(parser)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
     parser.add_argument("--addr", default=None, help="address to advertise (default: the "
                         "local address facing the master)")
