@@ -12,22 +12,13 @@ from pathlib import Path
 import pytest
 
 from leaks import Snapshot, wait_settled
+from phalanx.comm.rank_state import pid_alive
 
 os.environ.setdefault("PHALANX_LOG_LEVEL", "WARNING")
 # A runtime dir of this session's own: Workers, CLI runs and ranks started by the tests
 # inherit it, so a concurrent session on the same machine can neither hide nor cause a
 # leak here. The session fixture requires it empty at the end, then removes it.
 _PREFIX = "phalanx-suite-"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _sweep_killed_sessions() -> list[str]:
@@ -37,7 +28,7 @@ def _sweep_killed_sessions() -> list[str]:
     removed = []
     for d in Path(tempfile.gettempdir()).glob(_PREFIX + "*"):
         pid = d.name[len(_PREFIX):].split("-", 1)[0]
-        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+        if d.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(str(d))
     return removed
