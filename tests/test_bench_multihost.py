@@ -91,7 +91,7 @@ def test_quick_run_json_shape_and_nothing_left() -> None:
             assert set(part) == metrics, (name, part)
         assert all(n > 0 for n in _numbers(fig)), (name, fig)
     assert r["layouts"]["shared_memory_subgroup"] is None
-    assert "shared-memory" in r["layouts"]["shared_memory_subgroup_reason"]
+    assert "shared memory" in r["layouts"]["shared_memory_subgroup_reason"]
     for name in NOT_BUILT:
         assert r[name] is None, (name, r[name])
         assert isinstance(r[f"{name}_reason"], str) and r[f"{name}_reason"], name

@@ -128,10 +128,12 @@ def _replication_jobs_per_s(ctx: Ctx, side: str) -> dict[str, float]:
 
 _LAYOUT_BYTES = 4096
 SHARED_MEMORY_REASON = (
-    "phalanx does not yet use its shared-memory domain for the ranks of one host inside a "
-    "job spanning hosts: every TP collective of phalanx serve --nnodes > 1 is gloo over "
-    "all ranks (TorchDistComm), so a hierarchical all-reduce (shared memory within a host, "
-    "gloo between hosts) cannot be measured yet; the 2x2 figure is flat gloo")
+    "not measured here: phalanx serve --nnodes keeps shared memory for a host's own ranks "
+    "(HostTieredComm: they reduce over a domain of that host, only host sums cross over "
+    "gloo), so decode_tokens_per_s's 2x2 runs on it, but its all-reduce alone is reached "
+    "only through phalanx.engine.host_domains, no package's __all__, and the benchmarks "
+    "use only phalanx's public API; the 2x2 figure here is flat gloo over all 4 ranks "
+    "(docs/design.md measured the tiered path: 4 KiB 1.2-1.5 ms vs 3.0-3.5 ms gloo)")
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,12 @@ def command(repeats: int, pings: int, bulk_mib: int, bulk_reps: int,
                     "phalanx serve --tp 3 / --tp 4 there, no --nnodes",
         "machine": f"every namespace shares this machine's {os.cpu_count()} cores: the "
                    "across-hosts figures include the CPU contention of 3-4 ranks (and "
-                   "their gloo threads) on them, which separate hosts would not have",
+                   "their gloo threads) on them, which separate hosts would not have; "
+                   "phalanx serve --nnodes gives each rank cores // ranks-on-its-host "
+                   "threads (3x1: 3 ranks x 2 threads on 2 cores), one host cores // tp",
+        "collectives": "decode across hosts: 3x1 gloo only; 2x2 a host's ranks over shared "
+                       "memory, host sums over gloo (HostTieredComm); one host: phalanx's "
+                       "shared-memory domain (DomainComm)",
         "decode": "phalanx serve of a 2-layer, hidden-192 model with 12 heads and 12 KV "
                   "heads (the embedded default has 8 heads, which TP 3 cannot split), disk "
                   "tier off (--nnodes > 1 has none yet); one greedy streamed request at a "

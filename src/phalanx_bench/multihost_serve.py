@@ -37,13 +37,18 @@ _STOP_S = 60.0
 
 
 def model_dir(ctx: Ctx) -> Path:
-    """The tests' model, written once per run into the run's work directory."""
+    """The tests' model, written once per run into the run's work directory by the
+    public ``phalanx model init``."""
     target = ctx.workdir / "model"
     if not target.exists():
-        from phalanx.engine.default_model import ModelSpec, write_model
-
-        write_model(target, ModelSpec(name="multihost-bench", layers=2, hidden=192,
-                                      heads=12, kv_heads=12, intermediate=384))
+        done = subprocess.run([sys.executable, "-m", "phalanx.serve.cli._main", "model",
+                               "init", str(target), "--layers", "2", "--hidden", "192",
+                               "--heads", "12", "--kv-heads", "12", "--intermediate", "384",
+                               "--name", "multihost-bench"], capture_output=True, text=True,
+                              timeout=300, check=False)
+        if done.returncode != 0:
+            raise BenchError(f"phalanx model init {target} exited {done.returncode}: "
+                             f"{done.stderr[-3000:]}")
     return target
 
 
