@@ -122,8 +122,9 @@ def _phalanx_domain_cycle(ctx: Ctx, side: str) -> dict[str, float]:
 
 
 def _replication_jobs_per_s(ctx: Ctx, side: str) -> dict[str, float]:
-    raise NotBuilt("replication links across hosts are not built yet (issue 16, Data "
-                   "paths: cache); measured here vs the local baseline once they are")
+    raise NotBuilt("replication links across hosts exist (c3030bf: each host's ranks keep "
+                   "their shards on that host's disk) but this benchmark does not measure "
+                   "them yet; to come here vs the local baseline")
 
 
 _LAYOUT_BYTES = 4096
@@ -281,7 +282,7 @@ def command(repeats: int, pings: int, bulk_mib: int, bulk_reps: int,
                        "shared-memory domain (DomainComm)",
         "decode": "phalanx serve of a 2-layer, hidden-192 model with 12 heads and 12 KV "
                   "heads (the embedded default has 8 heads, which TP 3 cannot split), disk "
-                  "tier off (--nnodes > 1 has none yet); one greedy streamed request at a "
+                  "tier off (decode, not the cache); one greedy streamed request at a "
                   "time with ignore_eos after a warm-up; tokens_per_s from its first "
                   "token to its last, itl_ms_p50 the median gap between its tokens, "
                   "ttft_ms of its short prompt (14 tokens); one server start per side "

@@ -13,7 +13,7 @@ short prompt). Every request's prompt differs, so none is a prefix-cache hit.
 
 The model is the tests' (2 layers, hidden 192, 12 heads and 12 KV heads, so TP 3 and
 TP 4 both split it): the embedded default model has 8 heads, which TP 3 cannot split.
-The disk tier is off on both sides: ``--nnodes > 1`` has none yet.
+The disk tier is off on both sides: this measures decode, not the cache.
 """
 
 from __future__ import annotations
