@@ -76,7 +76,8 @@ PUBLIC: dict[str, list[str]] = {
         "function_name", "local_addr_towards", "rendezvous",
     ],
     "phalanx.engine": [
-        "CompletionOutput", "DomainComm", "Engine", "EngineConfig", "InMemoryTier", "LLM",
+        "CompletionOutput", "DomainComm", "Engine", "EngineConfig", "HostsDiskCache",
+        "InMemoryTier", "LLM",
         "Logprob", "PageLoad", "PageSave", "PrefixTier", "RequestOutput", "SamplingParams",
         "SamplingSpec", "Scheduler", "SchedulerConfig", "SeqChunk", "StepPlan", "StepResult",
         "TokenLogprobs", "TorchDistComm", "default_model_dir",

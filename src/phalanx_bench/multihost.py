@@ -121,10 +121,53 @@ def _phalanx_domain_cycle(ctx: Ctx, side: str) -> dict[str, float]:
                    "gloo_group_cycle_us is the anchor they will be compared against")
 
 
+def _replication_template(ctx: Ctx) -> tuple[Path, int]:
+    """The incident's directories (a chain of records, 7 of every 8 rows redundant),
+    written once per run through the real replicated path; and a tenth of their size."""
+    if "repl_template" not in ctx.made:
+        from phalanx.replication import ReplicatedCache
+        from phalanx.runtime import Worker
+
+        from .multihost_rank import REPL_FINGERPRINT, repl_geometry
+
+        tpl = ctx.workdir / "repl-template"
+        with Worker(ranks=NODES) as w:
+            cache = ReplicatedCache.open(w, tpl, geometry=repl_geometry(),
+                                         fingerprint=REPL_FINGERPRINT, capacity_bytes=1 << 30)
+            try:
+                cache.synth(ctx.opts["repl_records"], "chain", group=8)
+            finally:
+                cache.close()
+        size = sum(f.stat().st_size for f in (tpl / "rank-0").glob("*.kv"))
+        ctx.made["repl_template"] = (tpl, max(1, size // 10))
+    got: tuple[Path, int] = ctx.made["repl_template"]
+    return got
+
+
 def _replication_jobs_per_s(ctx: Ctx, side: str) -> dict[str, float]:
-    raise NotBuilt("replication links across hosts exist (c3030bf: each host's ranks keep "
-                   "their shards on that host's disk) but this benchmark does not measure "
-                   "them yet; to come here vs the local baseline")
+    """DESIGN.md's recovered-chain burst (every record needs maintenance, capacity a
+    tenth of the records): across the 3 hosts (each rank's shard on its host, the
+    replication links over the veth pairs) or with the 3 ranks on one host."""
+    import shutil
+
+    tpl, capacity = _replication_template(ctx)
+    cache = ctx.workdir / f"repl-{next(ctx.ports)}"
+    shutil.copytree(tpl, cache, ignore=shutil.ignore_patterns(".lock"))
+    common = ["--nnodes", str(NODES), "--cache", str(cache), "--capacity", str(capacity)]
+    try:
+        if side == "local":
+            (got,) = launch(ctx, "replication (one host)",
+                            [(ctx.nodes[0], ["replication-local", *common])], "lo")
+        else:
+            port = next(ctx.ports)
+            where = ["--master-addr", ctx.nodes[0].addr, "--port", str(port)]
+            got, *_ = launch(ctx, "replication (hosts)", [
+                (ctx.nodes[0], ["replication-head", *common, *where]),
+                *((h, ["replication-agent", *common, *where, "--rank", str(r)])
+                  for r, h in enumerate(ctx.nodes) if r > 0)], "eth0")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return {"jobs_per_s": got["jobs_per_s"], "jobs": got["jobs"]}
 
 
 _LAYOUT_BYTES = 4096
@@ -244,12 +287,13 @@ def command(repeats: int, pings: int, bulk_mib: int, bulk_reps: int,
     opts: dict[str, Any] = {
         "pings": pings, "bulk_mib": bulk_mib, "bulk_reps": bulk_reps,
         "rendezvous_rounds": rendezvous_rounds, "allreduce_iters": allreduce_iters,
-        "cycles": cycles, "allreduce_bytes": [int(x) for x in allreduce_bytes.split(",")]}
+        "cycles": cycles, "allreduce_bytes": [int(x) for x in allreduce_bytes.split(",")],
+        "repl_records": 1500}
     if quick:
         repeats = 1
         opts.update(pings=50, bulk_mib=1, bulk_reps=1, rendezvous_rounds=2,
-                    allreduce_iters=20, cycles=3)
-        decode_tokens, decode_requests = 8, 1
+                    allreduce_iters=20, cycles=3, repl_records=200)
+        decode_tokens, decode_requests = 32, 1  # 8 came in one read at times: no rate
     opts.update(decode_options(with_decode, decode_tokens, decode_requests))
     swept = sweep_stale()
     if swept:

@@ -41,6 +41,7 @@ class Ctx:
     workdir: Path  # the run's model, runtime directories and server logs; removed after
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     ports: Iterator[int] = field(default_factory=lambda: itertools.count(29500, 50))
+    made: dict[str, Any] = field(default_factory=dict)  # what a figure wrote once per run
 
     def layout(self, side: str, per_host: tuple[int, ...] = (1, 1, 1)
                ) -> tuple[list[Host], str, str]:

@@ -282,6 +282,72 @@ def _decode_client(args: argparse.Namespace) -> dict[str, Any]:
             "itl_ms_p50": statistics.median(itl) * 1e3, "chunks": chunks}
 
 
+# -- replication: the recovered-chain burst across hosts, or on one host -------------------
+
+def repl_geometry() -> Any:
+    from phalanx.kvstore import Geometry
+
+    return Geometry(layers=1, kv_heads=1, head_dim=4, dtype="float16", page_tokens=4)
+
+
+REPL_FINGERPRINT = "multihost-bench"
+
+
+def _burst(cache: Any) -> dict[str, Any]:
+    started = time.perf_counter()
+    report = cache.maintain()
+    seconds = time.perf_counter() - started
+    problems = cache.check()
+    if problems:
+        raise RuntimeError(f"the ranks disagree after the burst: {problems[:3]}")
+    jobs = sum(report.jobs.values())
+    return {"jobs": jobs, "seconds": seconds, "jobs_per_s": jobs / seconds}
+
+
+def _replication_head(args: argparse.Namespace) -> dict[str, Any]:
+    """Node 0 of 3: the cache across the hosts (each rank's shard on its host), one
+    maintenance burst over the veth links."""
+    from phalanx.engine import HostsDiskCache
+    from phalanx.hosts import MultiHostWorker, NodeSpec
+
+    spec = NodeSpec(args.nnodes, 0, args.master_addr, args.port,
+                    os.environ["PHALANX_JOB_TOKEN"], timeout=60.0)
+    with MultiHostWorker(spec, 1) as w:
+        cache = HostsDiskCache.open(w, args.cache, geometry=repl_geometry(),
+                                    fingerprint=REPL_FINGERPRINT, capacity_bytes=args.capacity,
+                                    kv_source="phalanx.replication:SyntheticSource")
+        try:
+            return _burst(cache)
+        finally:
+            cache.close()
+
+
+def _replication_agent(args: argparse.Namespace) -> dict[str, Any]:
+    from phalanx.hosts import HostAgent, NodeSpec
+
+    spec = NodeSpec(args.nnodes, args.rank, args.master_addr, args.port,
+                    os.environ["PHALANX_JOB_TOKEN"], timeout=60.0)
+    ex = HostAgent(spec, 1).run()
+    if ex.code:
+        raise RuntimeError(ex.reason)
+    return {"code": ex.code}
+
+
+def _replication_local(args: argparse.Namespace) -> dict[str, Any]:
+    """The same burst with the 3 ranks on one host (the local baseline)."""
+    from phalanx.replication import ReplicatedCache
+    from phalanx.runtime import Worker
+
+    with Worker(ranks=args.nnodes) as w:
+        cache = ReplicatedCache.open(w, args.cache, geometry=repl_geometry(),
+                                     fingerprint=REPL_FINGERPRINT,
+                                     capacity_bytes=args.capacity)
+        try:
+            return _burst(cache)
+        finally:
+            cache.close()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m phalanx_bench.multihost_rank")
     sub = p.add_subparsers(dest="mode", required=True)
@@ -309,6 +375,16 @@ def _parser() -> argparse.ArgumentParser:
     dec.add_argument("--max-tokens", type=int, required=True)
     dec.add_argument("--requests", type=int, required=True)
     dec.add_argument("--warmup-tokens", type=int, required=True)
+    rh, ra, rl = (sub.add_parser(m) for m in ("replication-head", "replication-agent",
+                                               "replication-local"))
+    for s in (rh, ra, rl):
+        s.add_argument("--nnodes", type=int, required=True)
+        s.add_argument("--cache", default="")
+        s.add_argument("--capacity", type=int, default=1 << 30)
+    for s in (rh, ra):
+        s.add_argument("--master-addr", required=True)
+        s.add_argument("--port", type=int, required=True)
+    ra.add_argument("--rank", type=int, required=True)
     for s in (ar, cyc):
         s.add_argument("--world", type=int, required=True)
     for s in (rdv, ar, cyc):
@@ -320,7 +396,8 @@ def _parser() -> argparse.ArgumentParser:
 
 _MODES = {"tcp-server": _tcp_server, "tcp-client": _tcp_client, "rendezvous": _rendezvous,
           "allreduce": _allreduce, "group-cycle": _group_cycle,
-          "decode-client": _decode_client}
+          "decode-client": _decode_client, "replication-head": _replication_head,
+          "replication-agent": _replication_agent, "replication-local": _replication_local}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .default_model import default_model_dir
 from .engine import Engine, EngineConfig
+from .host_disk import HostsDiskCache
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .plan import PageLoad, PageSave, SamplingSpec, SeqChunk, StepPlan, StepResult, TokenLogprobs
@@ -37,6 +38,7 @@ __all__ = [
     "DomainComm",
     "Engine",
     "EngineConfig",
+    "HostsDiskCache",
     "InMemoryTier",
     "Logprob",
     "PageLoad",
