@@ -100,11 +100,6 @@ def test_three_hosts_run_named_functions_and_a_gloo_group(tmp_path: Path) -> Non
     assert namespaces_of_this_run() == []
 
 
-def test_two_hosts_of_two_ranks(tmp_path: Path) -> None:
-    with hosts(2) as nodes:
-        _check_basic(nodes, tmp_path, rpn=2)
-
-
 def test_a_killed_host_fails_its_ranks_at_once_and_stops_the_job(tmp_path: Path) -> None:
     marker = tmp_path / "release"  # never created: the tasks hold until the job ends
     with hosts(3) as nodes:
@@ -165,7 +160,7 @@ def test_the_recovered_chain_incident_across_three_hosts(tmp_path: Path) -> None
 def test_a_partition_during_a_replication_burst_names_the_peer(tmp_path: Path) -> None:
     from replication_util import dir_bytes, synth
 
-    synth(tmp_path / "tpl", 1500, "chain")
+    synth(tmp_path / "tpl", 400, "chain")  # a burst that outlasts the cut's detection
     cache = tmp_path / "cache"
     shutil.copytree(tmp_path / "tpl", cache)
     marker = tmp_path / "cut"
