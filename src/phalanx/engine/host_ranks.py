@@ -21,7 +21,6 @@ import concurrent.futures
 import itertools
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -198,11 +197,9 @@ class HostRankGroup:
                 log.warning("engine: releasing the TP domain on node %d: %s", n, exc)
 
     def close(self, timeout: float = 60.0) -> None:
-        started = time.monotonic()
         if self._opened:
             self._opened = False
             self._close_ranks(list(self.worker.ranks))
             self._release_domains()  # after the runners: they map the domains' windows
             if self.worker.dead is None:  # every rank left the group: its keys go too
                 self.worker.drop_group_keys(self._prefix)
-        log.debug("engine: host rank group closed in %.2fs", time.monotonic() - started)

@@ -175,9 +175,8 @@ class MultiHostWorker:
                         channel.peer, exc)
             channel.close()
             return
-        ok = (isinstance(hello, Hello) and hello.version == VERSION
-              and proofs_match(hello_proof(self.spec.token, nonce, hello), hello.proof))
-        if not ok or not isinstance(hello, Hello):
+        if not (isinstance(hello, Hello) and hello.version == VERSION
+                and proofs_match(hello_proof(self.spec.token, nonce, hello), hello.proof)):
             log.warning("node 0: refused a control connection from %s: it does not prove "
                         "this job's token", channel.peer)
             try:
@@ -212,8 +211,8 @@ class MultiHostWorker:
             try:
                 frame = node.channel.recv()
             except (ChannelClosedError, OSError) as exc:
-                if not self._stopping.is_set() or not node.stopped.is_set():
-                    self._lose(node, f"its control connection closed ({exc})")
+                # closed before its Stopped (which ends this loop): lost, even at close
+                self._lose(node, f"its control connection closed ({exc})")
                 return
             node.last_seen = time.monotonic()
             if isinstance(frame, Reply):
