@@ -114,6 +114,17 @@ def _start(nodes: list[Host], tmp: Path, model: Path, tp: int) -> list[Node]:
     return out
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its ranks and their helpers), deepest last."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
+            kids = [int(k) for k in (task / "children").read_text().split()]
+            found += kids
+            todo += kids
+    return found
+
+
 def _client(node0: Host, *args: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "NO_PROXY": "*", "no_proxy": "*"}
     return node0.popen([sys.executable, str(TESTS / "hosts_client.py"), *args], env,
@@ -193,9 +204,16 @@ def test_a_host_killed_mid_request_fails_it_and_ends_the_job(tmp_path: Path,
         client = _client(nodes[0], "stream", url)
         assert client.stdout is not None
         assert json.loads(client.stdout.readline())["event"] == "streaming"
+        # node 2 dies in the order that CI once raced: its agent freezes, then its rank
+        # dies, so the other ranks' gloo collectives fail before the control plane can
+        # know why; the error must still name the lost host, not gloo's "closed by peer"
         killed = time.monotonic()
-        servers[2].proc.send_signal(signal.SIGKILL)  # node 2: its agent; its rank follows
+        agent = servers[2].proc
+        agent.send_signal(signal.SIGSTOP)
+        for pid in _descendants(agent.pid):
+            os.kill(pid, signal.SIGKILL)
         got = _events(client)
+        agent.send_signal(signal.SIGKILL)  # the rest of the host
         err = got["ended"]["error"]
         assert err is not None and f"node 2 ({nodes[2].addr})" in err, got
         assert got["health"]["status"] in (503, None), got  # 503, or the server exited

@@ -9,7 +9,10 @@ control plane carries only each step's plan to every rank and rank 0's result ba
 as typed bytes (the plan and result encodings of :mod:`phalanx.engine.plan`).
 
 A lost host or rank fails the step in progress at once (the multi-host Worker fails every
-outstanding task of the job), and the group is dead from then on.
+outstanding task of the job), and the group is dead from then on. A step that fails on a
+rank waits, at most the Worker's liveness window, for a lost host to explain it: a rank
+whose peer's host died sees only its collective fail, often before the control plane has
+lost that host, and the error a user reads must name the host.
 
 The disk tier's loads travel with the step (typed ``DiskLoads``), as on one host; its
 cache is :class:`~phalanx.engine.host_disk.HostsDiskCache`.
@@ -23,6 +26,8 @@ import logging
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
+
+from phalanx.hosts.worker import HostLostError
 
 from ._errors import EngineError
 from .disk_tier import DiskLoads
@@ -137,16 +142,41 @@ class HostRankGroup:
         self._opened = True
 
     def _gather(self, futs: list[concurrent.futures.Future[Any]], timeout: float) -> list[Any]:
-        """Every result, or the first failure at once (not when the slowest rank ends)."""
+        """Every result, or the failure's cause as soon as it is known (not when the
+        slowest rank ends)."""
         done, pending = concurrent.futures.wait(
             futs, timeout=timeout, return_when=concurrent.futures.FIRST_EXCEPTION)
         for f in futs:
             if f in done and f.exception() is not None:
-                raise cast(BaseException, f.exception())
+                raise self._cause(futs, cast(BaseException, f.exception()))
         if pending:
             raise EngineError(f"ranks {[i for i, f in enumerate(futs) if f in pending]} did "
                               f"not answer within {timeout:g}s")
         return [f.result() for f in futs]
+
+    def _cause(self, futs: list[concurrent.futures.Future[Any]],
+               first: BaseException) -> BaseException:
+        """The error that names why a step failed. A rank whose peer's host died sees
+        only its collective fail (gloo: "connection closed by peer"), often before the
+        control plane has lost that host: the lost host, once the liveness window has
+        had the chance to name it, is the cause; the rank's error goes with it."""
+        if isinstance(first, HostLostError):
+            return first
+        # every outstanding task fails when the job does, so this ends the moment the
+        # host is lost; a plain bug waits the window, its peers stuck in a collective
+        concurrent.futures.wait(futs, timeout=self.worker.liveness_window)
+        for f in futs:
+            exc = f.exception() if f.done() else None
+            if isinstance(exc, HostLostError):
+                lost = HostLostError(f"{exc} (rank error: {first})", exc.node, exc.addr,
+                                     exc.ranks)
+                lost.__cause__ = first
+                return lost
+        if self.worker.dead is not None and self.worker.dead not in str(first):
+            failed = EngineError(f"{first}; the job failed: {self.worker.dead}")
+            failed.__cause__ = first
+            return failed
+        return first
 
     def execute(self, plan: bytes, disk: Any = None) -> bytes:
         """Run one encoded plan on every rank; rank 0's encoded result."""

@@ -114,6 +114,9 @@ class MultiHostWorker:
         self.task_timeout = task_timeout
         self.close_timeout = close_timeout
         self._heartbeat, self._lost_after = heartbeat, lost_after
+        # a node that stopped at t is declared lost by t + lost_after + heartbeat (the
+        # watcher's next look); twice lost_after leaves a loaded machine its margin
+        self.liveness_window = 2 * lost_after
         self._on_lost = [on_lost] if on_lost is not None else []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
