@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+from phalanx.hosts import HostDomain
+
 # -- rank functions (run on every host) ------------------------------------------------
 
 def where(rank: int) -> dict[str, Any]:
@@ -38,6 +40,53 @@ def gloo_sum(store_addr: str, port: int, prefix: str, rank: int, world: int) -> 
         return float(t.item())
     finally:
         destroy()
+
+
+def domain_round(domain: HostDomain, rank: int) -> dict[str, Any]:
+    """One round on a domain spanning the hosts: one-sided puts and gets into the other
+    members' windows, a barrier, every collective, and the refusals."""
+    import numpy as np
+
+    from phalanx.comm import DomainError
+    from phalanx.hosts import view_of
+
+    v = view_of(domain)
+    me, n = v.domain_rank, v.domain_size
+    words = v.array(np.int64)
+    words[0] = 10 * rank
+    v.barrier()
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    v.put(nxt, 8, np.array([100 + rank], dtype=np.int64))  # into the next one's window
+    got_prev = int(np.frombuffer(v.get(prev, 0, 8), dtype=np.int64)[0])  # its slot 0
+    v.barrier()
+    put_by_prev = int(words[1])
+    total = v.allreduce(np.array([rank + 1.0]))
+    top = v.allreduce(np.array([rank], dtype=np.int64), op="max")
+    root = v.broadcast(np.array([rank * 7], dtype=np.int64), root=n - 1)
+    gathered = v.allgather(np.array([rank, -rank], dtype=np.int32))
+    refused = []
+    for bad in (lambda: v.put(nxt, domain.window_size - 4, b"12345678"),
+                lambda: v.peer_window(nxt), lambda: v.get(n, 0, 1)):
+        try:
+            bad()
+            refused.append(None)
+        except DomainError as exc:
+            refused.append(str(exc))
+    v.barrier()
+    return {"prev": got_prev, "put_by_prev": put_by_prev, "sum": float(total[0]),
+            "max": int(top[0]), "root": int(root[0]), "gathered": gathered.tolist(),
+            "refused": refused}
+
+
+def domain_barrier(domain: HostDomain, timeout: float) -> str:
+    from phalanx.hosts import view_of
+
+    view_of(domain).barrier(timeout)
+    return "passed"
+
+
+def window_threads() -> int:
+    return sum(t.name.startswith("phalanx-window") for t in threading.enumerate())
 
 
 def hold(marker: str) -> str:
@@ -79,11 +128,13 @@ def _basic(w: Any) -> None:
                        timeout=60) for r in w.ranks]
         [f.result(timeout=90) for f in fs]
         churn.append((w.store_keys(), w.drop_group_keys(f"t/churn{i}"), w.store_keys()))
+    domains = _domains(w)
     errors = {}
     last = len(w.ranks) - 1
     for name, call in (("main", lambda: w.submit(1, _local_only)),
                        ("opaque", lambda: w.submit(1, "hosts_job:where", Opaque())),
-                       ("remote", lambda: w.call(last, "hosts_job:fail", "no such thing"))):
+                       ("remote", lambda: w.call(last, "hosts_job:fail", "no such thing")),
+                       ("typed", lambda: w.call(last, "hosts_job:where", "not a rank"))):
         try:
             call()
             errors[name] = None
@@ -92,7 +143,32 @@ def _basic(w: Any) -> None:
     _emit(event="done", where=got, sums=sums, errors=errors, nodes=w.nodes,
           rendezvous_s=w.rendezvous_s, alive=w.alive_ranks(), keys=[keys_before, keys_after,
                                                                  dropped, w.store_keys()],
-          churn=churn)
+          churn=churn, domains=domains)
+
+
+def _domains(w: Any) -> dict[str, Any]:
+    """Domains spanning the hosts: a round on each member, churn, a late member."""
+    d = w.allocate_domain("span", window_size=64, timeout=30)
+    rounds = [f.result(timeout=90) for f in
+              [w.submit(r, "hosts_job:domain_round", d, r, timeout=60) for r in w.ranks]]
+    live = [w.store_keys(), [w.call(r, "hosts_job:window_threads") for r in w.ranks]]
+    w.release_domain(d)
+    for i in range(20):  # allocated and released in turn: nothing accumulates
+        d = w.allocate_domain(f"churn{i}", ranks=list(w.ranks)[i % 2:], window_size=64)
+        [f.result(timeout=60) for f in [w.submit(r, "hosts_job:domain_barrier", d, 30.0)
+                                        for r in d.members]]
+        w.release_domain(d)
+    late_error = None
+    d = w.allocate_domain("late", window_size=64, timeout=30)
+    try:  # the last member never arrives: the others' barrier ends at its deadline
+        [f.result(timeout=60) for f in [w.submit(r, "hosts_job:domain_barrier", d, 2.0)
+                                        for r in d.members[:-1]]]
+    except Exception as exc:  # noqa: BLE001  reported to the test
+        late_error = f"{type(exc).__name__}: {exc}"
+    w.release_domain(d)
+    return {"rounds": rounds, "live": live, "late_error": late_error,
+            "after": [w.store_keys(), [w.call(r, "hosts_job:window_threads")
+                                       for r in w.ranks]]}
 
 
 def _local_only() -> None:

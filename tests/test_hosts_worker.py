@@ -83,6 +83,9 @@ def _check_basic(nodes: list[Host], tmp: Path, rpn: int) -> None:
     last = world - 1
     assert remote == (f"RemoteError: rank {last} on node {len(nodes) - 1} "
                       f"({nodes[-1].addr}): ValueError: no such thing")
+    # an argument that is not what the function declares is refused where it arrives
+    assert "hosts_job:where: argument 'rank': Expected `int`, got `str`" in \
+        done["errors"]["typed"], done["errors"]
     for a, (_, aerr) in zip(agents, finals, strict=True):
         assert a.returncode == 0, aerr.decode()[-2000:]
         assert "node 0 closed the job" in aerr.decode()
@@ -90,8 +93,30 @@ def _check_basic(nodes: list[Host], tmp: Path, rpn: int) -> None:
     before, during, dropped, after = done["keys"]
     assert before == 0 and during == dropped > 0 and after == 0
     assert done["churn"] == [[during, during, 0]] * 3  # bounded by what is live
+    _check_domains(done["domains"], world)
     closed = next(e for e in events if e["event"] == "closed")
     assert [t for t in closed["threads"] if t.startswith("phalanx")] == []
+
+
+def _check_domains(got: dict[str, Any], world: int) -> None:
+    """A domain spanning the hosts: one-sided puts and gets reached the other hosts'
+    windows, every collective agreed, bad calls were refused by name, and churn and a
+    member that never came left nothing behind."""
+    for r, rd in enumerate(got["rounds"]):
+        prev = (r - 1) % world
+        assert rd["prev"] == 10 * prev and rd["put_by_prev"] == 100 + prev, rd
+        assert rd["sum"] == world * (world + 1) / 2 and rd["max"] == world - 1, rd
+        assert rd["root"] == 7 * (world - 1), rd
+        assert rd["gathered"] == [[i, -i] for i in range(world)], rd
+        outside, unmapped, no_rank = rd["refused"]
+        assert "outside the 64-byte window of domain rank" in outside, rd
+        assert "reached over the network, not mapped here" in unmapped, rd
+        assert f"has no domain rank {world}" in no_rank, rd
+    keys, threads = got["live"]
+    assert keys > 0 and all(t >= 1 for t in threads), got["live"]  # a server per member
+    late = got["late_error"]
+    assert late is not None and "domain 'late' barrier" in late, late
+    assert got["after"] == [0, [0] * world], got["after"]  # keys and threads all gone
 
 
 def test_three_hosts_run_named_functions_and_a_gloo_group(tmp_path: Path) -> None:

@@ -71,9 +71,10 @@ PUBLIC: dict[str, list[str]] = {
         "SyntheticSource", "check_states", "rank_cache", "rank_directories",
     ],
     "phalanx.hosts": [
-        "AgentExit", "HostAgent", "HostLostError", "JoinFrame", "Membership",
-        "MultiHostWorker", "NodeSpec", "Peer", "RemoteError", "VERSION", "VerdictFrame",
-        "function_name", "local_addr_towards", "rendezvous",
+        "AgentExit", "HostAgent", "HostDomain", "HostDomainView", "HostLostError",
+        "JoinFrame", "Membership", "MultiHostWorker", "NodeSpec", "Peer", "RemoteError",
+        "VERSION", "VerdictFrame", "function_name", "local_addr_towards", "rendezvous",
+        "view_of",
     ],
     "phalanx.engine": [
         "CompletionOutput", "DomainComm", "Engine", "EngineConfig", "HostsDiskCache",

@@ -12,8 +12,10 @@ two sides of the same run.
 
 Figures: the link itself (TCP ping-pong latency and bulk bandwidth, veth vs loopback),
 node rendezvous (``phalanx.hosts.rendezvous``), torch.distributed gloo all-reduce and
-gloo ``new_group`` + ``barrier`` + ``destroy_process_group`` cycles (the anchor of
-phalanx's domain cycle, the same loop as ``bench domains``); ``layouts``: gloo's 4 KiB
+gloo ``new_group`` + ``barrier`` + ``destroy_process_group`` cycles (the same loop as
+``bench domains``) on 3 hosts and on one; ``domain_cycle_across_hosts``: phalanx's
+domain spanning the 3 hosts (allocated, one barrier, released) beside that gloo cycle
+across them; ``layouts``: gloo's 4 KiB
 all-reduce for 2 hosts x 2 ranks vs 4 ranks on one host beside the 3 x 1 one; and
 ``decode_tokens_per_s`` (:mod:`.multihost_serve`): ``phalanx serve`` across 3 hosts x 1
 rank and 2 hosts x 2 ranks vs ``--tp 3`` / ``--tp 4`` on one host, decode and TTFT of one
@@ -116,9 +118,20 @@ def _group_cycle(ctx: Ctx, side: str) -> dict[str, float]:
     return {"us_p50": got["us_p50"]}
 
 
-def _phalanx_domain_cycle(ctx: Ctx, side: str) -> dict[str, float]:
-    raise NotBuilt("phalanx domains spanning hosts do not exist yet (issue 16, Data paths); "
-                   "gloo_group_cycle_us is the anchor they will be compared against")
+def _domain_cycle(ctx: Ctx, side: str) -> dict[str, float]:
+    """A domain over the 3 hosts allocated, through one barrier, released: phalanx's
+    (``MultiHostWorker.allocate_domain``, each step a round over the control plane) or
+    gloo's ``new_group`` + ``barrier`` + ``destroy_process_group`` (the anchor)."""
+    if side == "gloo":
+        return _group_cycle(ctx, "hosts")
+    port = next(ctx.ports)
+    where = ["--nnodes", str(NODES), "--master-addr", ctx.nodes[0].addr, "--port", str(port)]
+    # the agents are plain HostAgents: the replication figure's agent mode is one
+    got, *_ = launch(ctx, "domain cycle (hosts)", [
+        (ctx.nodes[0], ["domain-head", *where, "--cycles", str(ctx.opts["cycles"])]),
+        *((h, ["replication-agent", *where, "--rank", str(r)])
+          for r, h in enumerate(ctx.nodes) if r > 0)], "eth0")
+    return {"us_p50": got["us_p50"]}
 
 
 def _replication_template(ctx: Ctx) -> tuple[Path, int]:
@@ -192,8 +205,7 @@ FIGURES: dict[str, _Figure] = {
     "allreduce_us": _Figure(_allreduce, ("hosts", "one_host")),
     "layouts.2x2": _Figure(_allreduce_2x2, ("hosts", "one_host")),
     "gloo_group_cycle_us": _Figure(_group_cycle, ("hosts", "one_host")),
-    "phalanx_domain_cycle_across_hosts": _Figure(_phalanx_domain_cycle,
-                                                 ("hosts", "one_host")),
+    "domain_cycle_across_hosts": _Figure(_domain_cycle, ("phalanx", "gloo")),
     **{f"decode_tokens_per_s.{lay}": _Figure(partial(decode, layout=lay),
                                              ("hosts", "one_host")) for lay in LAYOUTS},
     "replication_jobs_per_s": _Figure(_replication_jobs_per_s, ("hosts", "local")),
@@ -267,7 +279,7 @@ def _unwind(signum: int, _frame: FrameType | None) -> None:
 @click.option("--rendezvous-rounds", default=6, show_default=True)
 @click.option("--allreduce-bytes", default="4096,65536", show_default=True)
 @click.option("--allreduce-iters", default=2000, show_default=True)
-@click.option("--cycles", default=100, show_default=True, help="gloo group cycles.")
+@click.option("--cycles", default=100, show_default=True, help="group and domain cycles.")
 @click.option("--decode-tokens", default=128, show_default=True,
               help="tokens of each timed streamed request (greedy, ignore_eos).")
 @click.option("--decode-requests", default=3, show_default=True,

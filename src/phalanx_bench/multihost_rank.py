@@ -33,6 +33,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from phalanx.hosts import HostDomain
+
 PING = 64  # bytes each way of one ping-pong
 _CHUNK = 1 << 20
 _CONNECT_S = 30.0  # the server starts at the same time: give it this long to listen
@@ -333,6 +335,39 @@ def _replication_agent(args: argparse.Namespace) -> dict[str, Any]:
     return {"code": ex.code}
 
 
+def domain_barrier(domain: HostDomain) -> None:
+    """A member's part of one domain cycle (named by module:function across hosts)."""
+    from phalanx.hosts import view_of
+
+    view_of(domain).barrier()
+
+
+# by name: this file runs as __main__, whose functions other hosts cannot import
+_BARRIER = "phalanx_bench.multihost_rank:domain_barrier"
+
+
+def _domain_head(args: argparse.Namespace) -> dict[str, Any]:
+    """Node 0 of 3: phalanx domains spanning the hosts, allocated, passed through one
+    barrier on every member and released, ``--cycles`` times."""
+    from phalanx.hosts import MultiHostWorker, NodeSpec
+
+    spec = NodeSpec(args.nnodes, 0, args.master_addr, args.port,
+                    os.environ["PHALANX_JOB_TOKEN"], timeout=60.0)
+    samples = []
+    with MultiHostWorker(spec, 1) as w:
+        for i in range(args.cycles + 1):
+            t0 = time.perf_counter()
+            d = w.allocate_domain(f"cycle{i}", window_size=4096, timeout=30)
+            for f in [w.submit(r, _BARRIER, d, timeout=30) for r in d.members]:
+                f.result(timeout=60)
+            w.release_domain(d)
+            samples.append(time.perf_counter() - t0)
+        keys = w.store_keys()
+    if keys:
+        raise RuntimeError(f"{keys} keys left in the job's store after the cycles")
+    return {"rank": 0, "us_p50": statistics.median(samples[1:]) * 1e6}  # first: connects
+
+
 def _replication_local(args: argparse.Namespace) -> dict[str, Any]:
     """The same burst with the 3 ranks on one host (the local baseline)."""
     from phalanx.replication import ReplicatedCache
@@ -375,16 +410,17 @@ def _parser() -> argparse.ArgumentParser:
     dec.add_argument("--max-tokens", type=int, required=True)
     dec.add_argument("--requests", type=int, required=True)
     dec.add_argument("--warmup-tokens", type=int, required=True)
-    rh, ra, rl = (sub.add_parser(m) for m in ("replication-head", "replication-agent",
-                                               "replication-local"))
-    for s in (rh, ra, rl):
+    rh, ra, rl, dh = (sub.add_parser(m) for m in ("replication-head", "replication-agent",
+                                                   "replication-local", "domain-head"))
+    for s in (rh, ra, rl, dh):
         s.add_argument("--nnodes", type=int, required=True)
         s.add_argument("--cache", default="")
         s.add_argument("--capacity", type=int, default=1 << 30)
-    for s in (rh, ra):
+    for s in (rh, ra, dh):
         s.add_argument("--master-addr", required=True)
         s.add_argument("--port", type=int, required=True)
     ra.add_argument("--rank", type=int, required=True)
+    dh.add_argument("--cycles", type=int, required=True)
     for s in (ar, cyc):
         s.add_argument("--world", type=int, required=True)
     for s in (rdv, ar, cyc):
@@ -397,7 +433,8 @@ def _parser() -> argparse.ArgumentParser:
 _MODES = {"tcp-server": _tcp_server, "tcp-client": _tcp_client, "rendezvous": _rendezvous,
           "allreduce": _allreduce, "group-cycle": _group_cycle,
           "decode-client": _decode_client, "replication-head": _replication_head,
-          "replication-agent": _replication_agent, "replication-local": _replication_local}
+          "replication-agent": _replication_agent, "replication-local": _replication_local,
+          "domain-head": _domain_head}
 
 
 def main(argv: list[str] | None = None) -> int:

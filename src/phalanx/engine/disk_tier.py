@@ -45,7 +45,7 @@ from ._errors import EngineError
 if TYPE_CHECKING:
     from ..replication import ReplicatedCache
     from .plan import StepPlan
-    from .ranks import RankGroup
+    from .ranks import TPRanks
 
 __all__ = ["DiskLoad", "DiskLoads", "DiskTier", "DiskTierStats", "rank_lookup",
            "release_leases"]
@@ -130,7 +130,7 @@ class DiskTierStats:
 class DiskTier:
     """See the module docstring. ``close()`` drains the queued stores (bounded)."""
 
-    def __init__(self, cache: ReplicatedCache, group: RankGroup, page_tokens: int,
+    def __init__(self, cache: ReplicatedCache, group: TPRanks, page_tokens: int,
                  fingerprint: bytes, queue_limit: int = 256, maintenance: bool = True) -> None:
         self.cache = cache
         self.group = group

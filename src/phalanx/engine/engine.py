@@ -28,7 +28,7 @@ from ._errors import EngineDeadError, EngineError, RequestError, SchedulerError
 from .disk_tier import DiskTier
 from .outputs import CompletionOutput, IncrementalDetokenizer, Logprob, RequestOutput
 from .plan import decode_result, encode_plan
-from .ranks import RankGroup
+from .ranks import RankGroup, TPRanks
 from .sampling import SamplingParams, StopChecker
 from .scheduler import PrefixTier, Sampled, Scheduler, SchedulerConfig
 from .sequence import FinishReason
@@ -154,9 +154,10 @@ class Engine:
             from .host_ranks import HostRankGroup
 
             group_type = functools.partial(HostRankGroup, hosts)
-        self.group = group_type(config.model, tp, kwargs, step_timeout=config.step_timeout,
-                                start_timeout=config.start_timeout, seed=config.seed,
-                                staging=disk is not None and tier is None)
+        self.group: TPRanks = group_type(config.model, tp, kwargs,
+                                         step_timeout=config.step_timeout,
+                                         start_timeout=config.start_timeout, seed=config.seed,
+                                         staging=disk is not None and tier is None)
         self.disk_tier: DiskTier | None = None
         self.disk_cache: Any = None
         if disk is not None and tier is None:
@@ -269,13 +270,7 @@ class Engine:
     def lost_ranks(self) -> str | None:
         """A sentence naming the ranks that are gone, checked without a step (so an idle
         engine notices a death too), or None while every rank is alive."""
-        alive = set(self.group.worker.alive_ranks())
-        lost = sorted(set(range(self.group.tp)) - alive)
-        if not lost:
-            return None
-        # a multi-host job says which node went and why (MultiHostWorker.dead)
-        why = getattr(self.group.worker, "dead", None)
-        return f"rank(s) {lost} of {self.group.tp} died" + (f": {why}" if why else "")
+        return self.group.lost_ranks()
 
     def stats(self) -> dict[str, Any]:
         """Gauges and counters for a server's metrics (cheap: no call into the ranks)."""

@@ -198,6 +198,14 @@ class HostRankGroup:
         with self._quiet.call():
             return cast(T, self.worker.call(0, fn, *args, timeout=self._step_timeout))
 
+    def lost_ranks(self) -> str | None:
+        """A sentence naming the ranks that are gone and why (the node lost), or None."""
+        lost = sorted(set(range(self.tp)) - set(self.worker.alive_ranks()))
+        if not lost:
+            return None
+        why = self.worker.dead
+        return f"rank(s) {lost} of {self.tp} died" + (f": {why}" if why else "")
+
     def wait_quiet(self, gap: float, timeout: float) -> bool:
         return self._quiet.wait(gap, timeout)
 

@@ -12,12 +12,12 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from ._errors import EngineError
 from .quiet import QuietGate
 
-__all__ = ["RankGroup"]
+__all__ = ["RankGroup", "TPRanks"]
 
 log = logging.getLogger("phalanx.engine")
 T = TypeVar("T")
@@ -106,6 +106,28 @@ _ids = itertools.count(1)
 # (a step's plan and its disk loads, or a function and arguments for rank 0; its future)
 _Job = tuple[tuple[bytes, Any] | tuple[Callable[..., Any], tuple[Any, ...]],
              concurrent.futures.Future[Any]]
+
+
+class TPRanks(Protocol):
+    """What the engine and its disk tier use of their ranks: :class:`RankGroup` on one
+    host, :class:`~phalanx.engine.host_ranks.HostRankGroup` across hosts."""
+
+    tp: int
+    memory: list[dict[str, Any]]
+    dead: BaseException | None
+
+    @property
+    def worker(self) -> Any: ...
+
+    def execute(self, plan: bytes, disk: Any = None) -> bytes: ...
+
+    def on_rank0(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    def wait_quiet(self, gap: float, timeout: float) -> bool: ...
+
+    def lost_ranks(self) -> str | None: ...
+
+    def close(self, timeout: float = 60.0) -> None: ...
 
 
 class RankGroup:
@@ -233,6 +255,11 @@ class RankGroup:
             self._jobs.put((what, fut))
             # the tasks carry the step deadline; this one only backs it up
             return fut.result(timeout=self._step_timeout * 2 + 30)
+
+    def lost_ranks(self) -> str | None:
+        """A sentence naming the ranks that are gone, or None while all live."""
+        lost = sorted(set(range(self.tp)) - set(self.worker.alive_ranks()))
+        return f"rank(s) {lost} of {self.tp} died" if lost else None
 
     def wait_quiet(self, gap: float, timeout: float) -> bool:
         """Wait until no step or lookup has run for ``gap`` seconds (True), or at most

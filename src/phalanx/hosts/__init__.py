@@ -4,11 +4,13 @@ The layer above rendezvous and runtime that multi-host jobs start from. It holds
 rendezvous of nodes (:func:`rendezvous`, :mod:`phalanx.hosts.frames`), the multi-host
 Worker of node 0 (:class:`MultiHostWorker`), the agent every other node runs
 (:class:`HostAgent`, ``python -m phalanx.hosts.agent``) and the control plane between
-them (:mod:`phalanx.hosts.control`); docs/design.md, "Several hosts".
+them (:mod:`phalanx.hosts.control`), and domains spanning hosts
+(:mod:`phalanx.hosts.domains`); docs/design.md, "Several hosts".
 Importing it does not import torch.
 """
 
 from .agent import AgentExit, HostAgent
+from .domains import HostDomain, HostDomainView, view_of
 from .frames import VERSION, JoinFrame, Peer, VerdictFrame
 from .functions import function_name
 from .rendezvous import Membership, NodeSpec, local_addr_towards, rendezvous
@@ -18,6 +20,8 @@ __all__ = [
     "VERSION",
     "AgentExit",
     "HostAgent",
+    "HostDomain",
+    "HostDomainView",
     "HostLostError",
     "JoinFrame",
     "Membership",
@@ -29,4 +33,5 @@ __all__ = [
     "function_name",
     "local_addr_towards",
     "rendezvous",
+    "view_of",
 ]

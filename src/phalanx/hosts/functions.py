@@ -70,11 +70,15 @@ def resolve(name: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+def _hints(fn: Callable[..., Any], name: str) -> dict[str, Any]:
+    """``fn``'s annotations, resolved; an error naming the one that cannot be (a value
+    arriving from another host as something else than declared is never silent)."""
     try:
         return typing.get_type_hints(fn)
-    except Exception:  # noqa: BLE001  unresolvable annotations: nothing to convert to
-        return {}
+    except Exception as exc:  # noqa: BLE001  NameError mostly, re-raised saying where
+        raise TypeError(f"{name}: its annotations cannot be resolved on this host ({exc}): "
+                        f"a function called across hosts needs importable annotations "
+                        f"(not only under TYPE_CHECKING), or none") from None
 
 
 def _convert(value: Any, hint: Any, what: str) -> Any:
@@ -84,13 +88,15 @@ def _convert(value: Any, hint: Any, what: str) -> Any:
         return msgspec.convert(value, hint)
     except msgspec.ValidationError as exc:
         raise TypeError(f"{what}: {exc}") from None
-    except TypeError:
-        return value  # a type msgspec cannot build (a callable, a Protocol): as sent
+    except TypeError as exc:  # a type msgspec cannot build (a callable, a Protocol)
+        raise TypeError(f"{what}: declared {hint!r}, which a value from another host "
+                        f"cannot become ({exc}); declare a Struct, dataclass, builtin or "
+                        f"Any") from None
 
 
 def typed_args(fn: Callable[..., Any], args: list[Any], name: str) -> list[Any]:
     """``args`` converted into the types ``fn``'s parameters declare."""
-    hints = _hints(fn)
+    hints = _hints(fn, name)
     params = list(inspect.signature(fn).parameters.values())
     out = []
     for i, arg in enumerate(args):
@@ -104,7 +110,7 @@ def typed_args(fn: Callable[..., Any], args: list[Any], name: str) -> list[Any]:
 
 def typed_result(fn: Callable[..., Any], value: Any, name: str) -> Any:
     """``value`` converted into ``fn``'s declared return type."""
-    hint = _hints(fn).get("return")
+    hint = _hints(fn, name).get("return")
     return value if hint is None else _convert(value, hint, f"{name}: its result")
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from phalanx.runtime import RankDiedError, WorkerError
 
+from . import domains
 from .control import (
     VERSION,
     Beat,
@@ -51,6 +52,7 @@ from .control import (
     proofs_match,
     welcome_proof,
 )
+from .domains import HostDomain
 from .functions import function_name, resolve, typed_result
 from .local import LocalRanks
 from .rendezvous import Membership, NodeSpec, local_addr_towards, rendezvous
@@ -120,6 +122,7 @@ class MultiHostWorker:
         self._on_lost = [on_lost] if on_lost is not None else []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._domain_ids = itertools.count(1)
         self._nodes: dict[int, _Node] = {}
         self._outstanding: set[concurrent.futures.Future[Any]] = set()
         self._threads: list[threading.Thread] = []
@@ -368,6 +371,23 @@ class MultiHostWorker:
             if node.lost is None:
                 alive += [r for r in node.ranks if r not in node.dead_ranks]
         return sorted(alive)
+
+    # -- domains spanning hosts (hosts/domains.py) ------------------------------------
+
+    def allocate_domain(self, name: str, ranks: list[int] | None = None, *,
+                        window_size: int = 1 << 20, timeout: float = 60.0) -> HostDomain:
+        """A domain of ``ranks`` (default: every rank), on whatever hosts they are: a
+        window per member, one-sided put/get and collectives; see
+        :mod:`phalanx.hosts.domains`. Pass the handle to tasks; a task's view is
+        ``phalanx.hosts.view_of(domain)``."""
+        return domains.allocate(self, next(self._domain_ids), name,
+                                list(self.ranks if ranks is None else ranks), window_size,
+                                timeout)
+
+    def release_domain(self, domain: HostDomain) -> None:
+        """Close every member's part of ``domain`` (after the tasks using it ended) and
+        delete its keys from the job's store."""
+        domains.release(self, domain)
 
     @property
     def store_address(self) -> tuple[str, int]:
