@@ -230,11 +230,11 @@ def _summary(fig: _Figure, runs: dict[str, list[dict[str, float]]]) -> dict[str,
             b: {m: _round(v) for m, v in med[b].items()}, f"ratio_{a}_over_{b}": ratios}
 
 
-def _measure(ctx: Ctx, repeats: int) -> dict[str, Any]:
+def _measure(ctx: Ctx, repeats: int, figures: dict[str, _Figure]) -> dict[str, Any]:
     runs: dict[str, dict[str, list[dict[str, float]]]] = {}
     not_built: dict[str, str] = {}
     for rep in range(repeats):
-        for name, fig in FIGURES.items():
+        for name, fig in figures.items():
             if name in not_built:
                 continue
             for side in fig.sides if rep % 2 == 0 else fig.sides[::-1]:
@@ -245,7 +245,7 @@ def _measure(ctx: Ctx, repeats: int) -> dict[str, Any]:
                     break
                 runs.setdefault(name, {}).setdefault(side, []).append(got)
     out: dict[str, Any] = {}
-    for name, fig in FIGURES.items():
+    for name, fig in figures.items():
         # "group.part" is reported as out[group][part]; a group is left out as a whole
         group, _, part = name.partition(".")
         if name in not_built:
@@ -259,6 +259,8 @@ def _measure(ctx: Ctx, repeats: int) -> dict[str, Any]:
 
 def _layouts(out: dict[str, Any]) -> None:
     """The 3 x 1 all-reduce beside the 2 x 2 one, and why no shared-memory subgroup."""
+    if "layouts" not in out or "allreduce_us" not in out:
+        return  # --only left them out
     key = f"{_kib(_LAYOUT_BYTES)}_us_p50"
     flat = out["allreduce_us"]
     if key in flat["hosts"]:
@@ -287,11 +289,14 @@ def _unwind(signum: int, _frame: FrameType | None) -> None:
 @click.option("--decode/--no-decode", "with_decode", default=True, show_default=True,
               help="serve the model and time decode (4 server starts per repeat).")
 @click.option("--quick", is_flag=True, help="Tiny counts: checks the shape, not a figure.")
+@click.option("--only", multiple=True, metavar="FIGURE",
+              type=click.Choice(sorted({n.partition(".")[0] for n in FIGURES})),
+              help="measure only these figures (repeatable); default: all.")
 @click.option("--json", "as_json", is_flag=True)
 def command(repeats: int, pings: int, bulk_mib: int, bulk_reps: int,
             rendezvous_rounds: int, allreduce_bytes: str, allreduce_iters: int, cycles: int,
             decode_tokens: int, decode_requests: int, with_decode: bool, quick: bool,
-            as_json: bool) -> None:
+            only: tuple[str, ...], as_json: bool) -> None:
     """3 hosts x 1 rank (and 2 x 2) on network namespaces vs one host: link, rendezvous,
     gloo, phalanx serve's decode.
 
@@ -316,7 +321,9 @@ def command(repeats: int, pings: int, bulk_mib: int, bulk_reps: int,
     try:
         with tempfile.TemporaryDirectory(prefix="phx-multihost-") as work, \
                 hosts(NODES, die_with_parent=True) as nodes:
-            figures = _measure(Ctx(nodes, opts, Path(work)), repeats)
+            chosen = {n: f for n, f in FIGURES.items()
+                      if not only or n.partition(".")[0] in only}
+            figures = _measure(Ctx(nodes, opts, Path(work)), repeats, chosen)
             _layouts(figures)
     except NetnsUnavailable as exc:
         raise click.ClickException(f"namespaces unavailable: {exc}") from exc
