@@ -19,8 +19,8 @@ from phalanx.kvstore.audit import verify_directory
 __all__ = ["stores"]
 
 WRITER = str(Path(__file__).with_name("cache_writer.py"))
-KILLS = 55  # trials that really died by SIGKILL; some armed points are never reached
-MAX_TRIALS = 120
+KILLS = 35  # trials that really died by SIGKILL; some armed points are never reached
+MAX_TRIALS = 80
 PER_TRIAL = 40
 KILL_POINTS = [
     "cache.store.temp_opened", "cache.store.temp_written", "cache.store.committed",

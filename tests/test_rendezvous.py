@@ -197,7 +197,7 @@ def test_store_peer_with_wrong_token_is_refused(tmp_path: Path) -> None:
             StoreBackend(host, port, "not-the-token", w.generation, is_master=False, timeout=5)
 
 
-_RACES = 150
+_RACES = 80
 
 
 def _race(ranks: list[int]) -> dict[int, str]:
@@ -220,7 +220,7 @@ def _race(ranks: list[int]) -> dict[int, str]:
 
 
 def test_store_handshakes_racing_their_deadlines_agree_and_leave_no_key(tmp_path: Path) -> None:
-    """Ranks 0 and 1 give up after 20 ms while rank 2 arrives 0-40 ms late, 150 times:
+    """Ranks 0 and 1 give up after 20 ms while rank 2 arrives 0-40 ms late, 80 times:
     timeouts race the last arrival, and aborts race later arrivals. Whatever the timing,
     a handshake releases every participant or fails every one (the arrivals key's
     invariant), and once all have left, none of its keys is left."""

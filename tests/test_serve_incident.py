@@ -1,5 +1,5 @@
 """The DESIGN.md incident end to end, through the server: directories a TP 3 job left
-(a 3,500-record chain, 7 of every 8 rows redundant) reopened by ``phalanx serve --tp 3``
+(a 2,000-record chain, 7 of every 8 rows redundant) reopened by ``phalanx serve --tp 3``
 past ``--prefix-cache-max-age``, and again with a tenth of the capacity. Each time the
 server starts, answers completions while its maintenance runs, and every rank's
 directory converges to the same state."""
@@ -16,9 +16,9 @@ from replication_util import assert_identical, copy_dirs, dir_bytes
 from serve_util import Server, model_env, wait_for
 
 TP = 3
-RECORDS = 3500
+RECORDS = 2000
 # heads and KV heads divide by 3; one layer of 16-dim float16 heads: 4 KiB pages keep
-# 3,500 records of up to 8 pages small on disk
+# 2,000 records of up to 8 pages small on disk
 MODEL = ["--layers", "1", "--hidden", "48", "--heads", "3", "--kv-heads", "3",
          "--intermediate", "96", "--vocab", "512", "--dtype", "float16"]
 

@@ -212,6 +212,11 @@ FIGURES: dict[str, _Figure] = {
 }
 
 
+# --quick checks shapes: one decode layout is enough (2 x 2 is the same code, another
+# layout), and its two server starts are a minute of a loaded 2-core machine
+_NOT_QUICK = {"decode_tokens_per_s.2x2"}
+
+
 def _kib(n: int) -> str:
     return f"{n >> 10}KiB" if n % 1024 == 0 else f"{n}B"
 
@@ -288,7 +293,8 @@ def _unwind(signum: int, _frame: FrameType | None) -> None:
               help="timed requests per server start (after a warm-up request).")
 @click.option("--decode/--no-decode", "with_decode", default=True, show_default=True,
               help="serve the model and time decode (4 server starts per repeat).")
-@click.option("--quick", is_flag=True, help="Tiny counts: checks the shape, not a figure.")
+@click.option("--quick", is_flag=True,
+              help="Tiny counts and decode on 3x1 only: checks the shape, not a figure.")
 @click.option("--only", multiple=True, metavar="FIGURE",
               type=click.Choice(sorted({n.partition(".")[0] for n in FIGURES})),
               help="measure only these figures (repeatable); default: all.")
@@ -322,7 +328,8 @@ def command(repeats: int, pings: int, bulk_mib: int, bulk_reps: int,
         with tempfile.TemporaryDirectory(prefix="phx-multihost-") as work, \
                 hosts(NODES, die_with_parent=True) as nodes:
             chosen = {n: f for n, f in FIGURES.items()
-                      if not only or n.partition(".")[0] in only}
+                      if (not only or n.partition(".")[0] in only)
+                      and not (quick and n in _NOT_QUICK)}
             figures = _measure(Ctx(nodes, opts, Path(work)), repeats, chosen)
             _layouts(figures)
     except NetnsUnavailable as exc:

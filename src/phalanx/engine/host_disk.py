@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,7 @@ class HostsDiskCache:
                          capacity_bytes, max_age, job_timeout, window, window // 4, False,
                          kv_source)
         t = connect_timeout + _SETTLE_S
+        opening: list[concurrent.futures.Future[Any]] = []
         try:
             port = hosts.call(0, open_leader, cid, spec, timeout=t)
             accept = hosts.submit(0, accept_peers, cid, ranks[1:], connect_timeout,
@@ -170,6 +172,7 @@ class HostsDiskCache:
             host = hosts.node_addr(0)
             replicas = [hosts.submit(r, open_replica, cid, spec, r, host, port,
                                      connect_timeout, timeout=t) for r in ranks[1:]]
+            opening = replicas
             concurrent.futures.wait([accept, *replicas], timeout=t + _SETTLE_S,
                                     return_when=concurrent.futures.FIRST_EXCEPTION)
             for f in replicas:  # a replica's own failure is the news; rank 0's follows
@@ -178,8 +181,9 @@ class HostsDiskCache:
                     raise exc
             report: dict[str, Any] = accept.result(timeout=t + _SETTLE_S)
         except BaseException:
-            # every rank is asked: a side that never opened is a no-op to close
-            cls._close_ranks(hosts, cid, ranks, close_timeout)
+            # every rank is asked: a side that never opened is a no-op to close; the
+            # replicas still opening end before theirs are (see _close_ranks)
+            cls._close_ranks(hosts, cid, ranks, close_timeout, opening)
             raise
         return cls(hosts, cid, report, close_timeout)
 
@@ -219,11 +223,18 @@ class HostsDiskCache:
         return out
 
     @staticmethod
-    def _close_ranks(hosts: Any, cid: str, ranks: list[int], timeout: float) -> list[str]:
+    def _close_ranks(hosts: Any, cid: str, ranks: list[int], timeout: float,
+                     opening: Sequence[concurrent.futures.Future[Any]] = ()) -> list[str]:
+        """Rank 0's side closed first (it drains and says BYE), then the others'. After
+        a failed open, ``opening``: the replicas' opens, waited for between the two, so a
+        replica still connecting fails (its leader is gone) before its side is closed
+        instead of registering it after."""
         if hosts.dead is not None:
             return []  # the job is over: each host's agent stops its ranks, sides and all
         problems = []
-        for group in ([0], [r for r in ranks if r != 0]):  # rank 0 drains and says BYE
+        for group in ([0], [r for r in ranks if r != 0]):
+            if group != [0]:
+                concurrent.futures.wait(opening, timeout=timeout + _SETTLE_S)
             futs = {r: hosts.submit(r, close_side, cid, timeout * 0.9, timeout=timeout)
                     for r in group}
             for r, f in futs.items():
