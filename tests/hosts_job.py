@@ -62,11 +62,13 @@ def domain_round(domain: HostDomain, rank: int) -> dict[str, Any]:
     put_by_prev = int(words[1])
     total = v.allreduce(np.array([rank + 1.0]))
     top = v.allreduce(np.array([rank], dtype=np.int64), op="max")
-    root = v.broadcast(np.array([rank * 7], dtype=np.int64), root=n - 1)
-    gathered = v.allgather(np.array([rank, -rank], dtype=np.int32))
+    prod = v.allreduce(np.array([rank + 1.0]), op="prod")
+    root = v.broadcast(np.array([rank * 7], dtype=np.int16), root=n - 1)  # any dtype
+    gathered = v.allgather(np.array([rank, -rank], dtype=np.float16))
     refused = []
     for bad in (lambda: v.put(nxt, domain.window_size - 4, b"12345678"),
-                lambda: v.peer_window(nxt), lambda: v.get(n, 0, 1)):
+                lambda: v.peer_window(nxt), lambda: v.get(n, 0, 1),
+                lambda: v.allreduce(np.array([1], dtype=np.uint16))):
         try:
             bad()
             refused.append(None)
@@ -74,7 +76,8 @@ def domain_round(domain: HostDomain, rank: int) -> dict[str, Any]:
             refused.append(str(exc))
     v.barrier()
     return {"prev": got_prev, "put_by_prev": put_by_prev, "sum": float(total[0]),
-            "max": int(top[0]), "root": int(root[0]), "gathered": gathered.tolist(),
+            "max": int(top[0]), "prod": float(prod[0]), "root": int(root[0]),
+            "gathered": gathered.tolist(),
             "refused": refused}
 
 

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from netns import Host, hosts, namespaces_of_this_run
 
 PORT = 29410
@@ -106,9 +108,11 @@ def _check_domains(got: dict[str, Any], world: int) -> None:
         prev = (r - 1) % world
         assert rd["prev"] == 10 * prev and rd["put_by_prev"] == 100 + prev, rd
         assert rd["sum"] == world * (world + 1) / 2 and rd["max"] == world - 1, rd
+        assert rd["prod"] == float(np.prod(np.arange(1, world + 1))), rd
         assert rd["root"] == 7 * (world - 1), rd
         assert rd["gathered"] == [[i, -i] for i in range(world)], rd
-        outside, unmapped, no_rank = rd["refused"]
+        outside, unmapped, no_rank, dtype = rd["refused"]
+        assert "allreduce of uint16: gloo reduces" in dtype, rd
         assert "outside the 64-byte window of domain rank" in outside, rd
         assert "reached over the network, not mapped here" in unmapped, rd
         assert f"has no domain rank {world}" in no_rank, rd

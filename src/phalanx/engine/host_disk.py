@@ -183,7 +183,7 @@ class HostsDiskCache:
         except BaseException:
             # every rank is asked: a side that never opened is a no-op to close; the
             # replicas still opening end before theirs are (see _close_ranks)
-            cls._close_ranks(hosts, cid, ranks, close_timeout, opening)
+            cls._close_ranks(hosts, cid, ranks, close_timeout, opening, t + _SETTLE_S)
             raise
         return cls(hosts, cid, report, close_timeout)
 
@@ -224,7 +224,8 @@ class HostsDiskCache:
 
     @staticmethod
     def _close_ranks(hosts: Any, cid: str, ranks: list[int], timeout: float,
-                     opening: Sequence[concurrent.futures.Future[Any]] = ()) -> list[str]:
+                     opening: Sequence[concurrent.futures.Future[Any]] = (),
+                     opening_timeout: float = 0.0) -> list[str]:
         """Rank 0's side closed first (it drains and says BYE), then the others'. After
         a failed open, ``opening``: the replicas' opens, waited for between the two, so a
         replica still connecting fails (its leader is gone) before its side is closed
@@ -233,8 +234,12 @@ class HostsDiskCache:
             return []  # the job is over: each host's agent stops its ranks, sides and all
         problems = []
         for group in ([0], [r for r in ranks if r != 0]):
-            if group != [0]:
-                concurrent.futures.wait(opening, timeout=timeout + _SETTLE_S)
+            if group != [0] and opening:  # as long as an open may take
+                _, late = concurrent.futures.wait(opening, timeout=opening_timeout)
+                if late:
+                    problems.append(f"{len(late)} replica(s) still opening after "
+                                    f"{opening_timeout:g}s: their ranks' services close "
+                                    f"them at shutdown")
             futs = {r: hosts.submit(r, close_side, cid, timeout * 0.9, timeout=timeout)
                     for r in group}
             for r, f in futs.items():

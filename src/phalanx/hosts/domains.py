@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -45,7 +46,17 @@ from .windows import WindowClient, WindowError, WindowServer
 
 __all__ = ["HostDomain", "HostDomainView", "close_member", "open_member", "view_of"]
 
-_OPS = ("sum", "max", "min", "prod")
+def _op(name: str) -> Callable[[], Any]:
+    def get() -> Any:
+        import torch.distributed as dist
+
+        return getattr(dist.ReduceOp, name)
+    return get
+
+
+_OPS = {"sum": _op("SUM"), "max": _op("MAX"), "min": _op("MIN"), "prod": _op("PRODUCT")}
+_REDUCIBLE = {"float16", "float32", "float64", "bfloat16", "int8", "int32", "int64", "uint8",
+              "bool"}
 
 
 class HostDomain(msgspec.Struct, frozen=True):
@@ -108,6 +119,10 @@ def open_member(domain: HostDomain, rank: int) -> str:
 
     addr = os.environ.get("PHALANX_NODE_ADDR", "127.0.0.1")
     token = os.environ.get("PHALANX_JOB_TOKEN", "")
+    if not token:
+        raise DomainAllocationError(f"rank {rank}: PHALANX_JOB_TOKEN is not set in this rank "
+                                    f"(its host's agent sets it): a window server needs "
+                                    f"the job's token", {})
     if addr != "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = interface_of(addr)  # see dist.py
     me = domain.members.index(rank)
@@ -246,6 +261,7 @@ class HostDomainView:
         try:
             self._client(peer).put(offset, src)
         except WindowError as exc:
+            self._drop_client(peer)  # closed by its failure: the next call reconnects
             raise DomainError(f"domain rank {self.domain_rank}: put into {exc}") from None
 
     def get(self, peer: int, offset: int, nbytes: int) -> bytes:
@@ -263,12 +279,21 @@ class HostDomainView:
         try:
             self._client(peer).get_into(offset, dst)
         except WindowError as exc:
+            self._drop_client(peer)
             raise DomainError(f"domain rank {self.domain_rank}: get from {exc}") from None
 
+    def _drop_client(self, peer: int) -> None:
+        with self._lock:
+            client = self._clients.pop(peer, None)
+        if client is not None:
+            client.close()
+
     # -- synchronisation and collectives (gloo on the members' group) ---------------------
-    def _wait(self, what: str, work: Any, timeout: float | None = None) -> None:
+    def _wait(self, what: str, issue: Callable[[], Any], timeout: float | None = None) -> None:
+        """``issue()`` (the collective's call on the group) and its end, or a
+        CollectiveError naming the domain, whether gloo refused it or it failed."""
         try:
-            work.wait(timedelta(seconds=self.timeout if timeout is None else timeout))
+            issue().wait(timedelta(seconds=self.timeout if timeout is None else timeout))
         except Exception as exc:  # noqa: BLE001  gloo's RuntimeError, named here
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise CollectiveError(f"domain {self.name!r} {what}: domain rank "
@@ -278,34 +303,49 @@ class HostDomainView:
 
     def barrier(self, timeout: float | None = None) -> None:
         """Every member arrives before any leaves."""
-        self._check()
-        self._wait("barrier", self._group.barrier(), timeout)
+        import torch.distributed as dist
 
-    def _tensor(self, arr: Any, what: str) -> Any:
+        self._check()
+        opts = dist.BarrierOptions()
+        opts.timeout = timedelta(seconds=self.timeout if timeout is None else timeout)
+        self._wait("barrier", lambda: self._group.barrier(opts), timeout)
+
+    def _flat(self, arr: Any, what: str) -> Any:
+        """``arr``'s bytes as a uint8 tensor over its memory, no copy (what broadcast
+        and allgather move: any dtype, as on one host)."""
         import torch
 
         a = np.asarray(arr)
         if not a.flags.c_contiguous or not a.flags.writeable:
             raise DomainError(f"domain {self.name!r}: {what} needs a writable "
                               f"C-contiguous array")
-        return torch.from_numpy(a) if a.ndim else torch.from_numpy(a.reshape(1))
+        return torch.from_numpy(a.reshape(-1).view(np.uint8))
 
     def broadcast(self, arr: Any, root: int = 0) -> Any:
         """Copy ``arr`` of domain rank ``root`` into ``arr`` of every member, in place."""
         self._check(root)
-        self._wait("broadcast", self._group.broadcast(self._tensor(arr, "broadcast"), root))
+        flat = self._flat(arr, "broadcast")
+        self._wait("broadcast", lambda: self._group.broadcast(flat, root))
         return arr
 
     def allreduce(self, arr: Any, op: str = "sum") -> Any:
-        """Reduce ``arr`` over every member (sum, max, min, prod), in place."""
+        """Reduce ``arr`` over every member (sum, max, min, prod), in place; dtypes
+        gloo reduces: float16/32/64, bfloat16, int8/32/64, uint8, bool."""
+        import torch
         import torch.distributed as dist
 
         if op not in _OPS:
             raise DomainError(f"allreduce op {op!r}: choose one of {sorted(_OPS)}")
         self._check()
+        a = np.asarray(arr)
+        if a.dtype.name not in _REDUCIBLE or not a.dtype.isnative:
+            raise DomainError(f"domain {self.name!r}: allreduce of {a.dtype}: gloo reduces "
+                              f"{sorted(_REDUCIBLE)} (native byte order) only")
+        self._flat(a, "allreduce")  # the same checks
+        t = torch.from_numpy(a.reshape(-1))
         opts = dist.AllreduceOptions()
-        opts.reduceOp = getattr(dist.ReduceOp, op.upper())
-        self._wait("allreduce", self._group.allreduce([self._tensor(arr, "allreduce")], opts))
+        opts.reduceOp = _OPS[op]()
+        self._wait("allreduce", lambda: self._group.allreduce([t], opts))
         return arr
 
     def allgather(self, arr: Any) -> Any:
@@ -313,10 +353,11 @@ class HostDomainView:
         import torch
 
         self._check()
-        src = torch.from_numpy(np.ascontiguousarray(arr).copy())
+        a = np.ascontiguousarray(arr)
+        src = torch.from_numpy(a.copy().reshape(-1).view(np.uint8))
         outs = [torch.empty_like(src) for _ in range(self.domain_size)]
-        self._wait("allgather", self._group.allgather([outs], [src]))
-        return np.stack([o.numpy() for o in outs])
+        self._wait("allgather", lambda: self._group.allgather([outs], [src]))
+        return np.stack([o.numpy().view(a.dtype).reshape(a.shape) for o in outs])
 
     def revoke(self) -> None:
         """Close this member's part: its clients, its window server (threads joined),
@@ -355,11 +396,13 @@ def allocate(worker: Any, alloc_id: int, name: str, ranks: list[int], window_siz
                         addr, port, timeout)
     futs = {r: worker.submit(r, open_member, domain, r, timeout=timeout + 30) for r in ranks}
     concurrent.futures.wait(futs.values(), timeout=timeout + 60)
-    failed = {r: f.exception() if f.done() else TimeoutError(f"no answer in {timeout:g}s")
+    failed = {r: f.exception() if f.done() else TimeoutError(f"no answer in "
+                                                               f"{timeout + 60:g}s")
               for r, f in futs.items() if not f.done() or f.exception() is not None}
     if failed:
-        opened = [r for r in ranks if r not in failed]
-        problems = _close(worker, domain, opened)
+        # every member: one whose answer failed on the way may have opened; closing a
+        # part never opened is a no-op
+        problems = _close(worker, domain, list(ranks))
         raise DomainAllocationError(
             f"domain {name!r} (id {alloc_id}) over ranks {ranks}: "
             + "; ".join(f"rank {r} on node {worker.node_of(r)}: {e}" for r, e in failed.items())

@@ -8,8 +8,11 @@ gets against its window, and reaches each remote peer through a :class:`WindowCl
 
 Wire: a fixed binary header (``op``, ``offset``, ``nbytes``) and the raw bytes, nothing
 else: typed, fixed-shape, nothing decoded but integers and payload. A connection starts
-with the job token's proof (HMAC-SHA256 over the server's fresh nonce, the domain's id
-and the caller's rank), so a process without the token cannot read or write a window.
+with proofs of the job token both ways (HMAC-SHA256 over the other side's fresh nonce,
+the domain's id and the caller's rank), so a process without the token can neither
+read or write a window nor pose as a member's server (its address comes from the
+unauthenticated store). A client whose request failed part-way is closed, never reused:
+its stream would be out of step.
 A put is answered once its bytes are in the window, so after ``put`` returns (and a
 barrier) the peer's task sees them, as with shared memory.
 
@@ -19,13 +22,14 @@ does something else; gloo's point-to-point ops need both sides to post them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 __all__ = ["WindowClient", "WindowError", "WindowServer"]
 
@@ -34,14 +38,16 @@ _ACK = struct.Struct(">BQ")  # status, nbytes (of the reply's payload, or of the
 _PUT, _GET = 1, 2
 _OK, _REFUSED = 0, 1
 _NONCE = 32
+_MAX_MESSAGE = 64 << 10  # a refusal's text; more is not a phalanx peer
+_SEND_CHUNK = 16 << 20  # a put's bytes go in chunks: the timeout then bounds progress
 
 
 class WindowError(ConnectionError):
     """A window server refused a request, or the connection to it broke."""
 
 
-def _proof(token: str, nonce: bytes, domain_id: int, rank: int) -> bytes:
-    body = b"window|%d|%d|" % (domain_id, rank) + nonce
+def _proof(token: str, side: bytes, nonce: bytes, domain_id: int, rank: int) -> bytes:
+    body = b"window|%s|%d|%d|" % (side, domain_id, rank) + nonce
     return hmac.new(token.encode(), body, hashlib.sha256).digest()
 
 
@@ -86,15 +92,26 @@ class WindowServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                 name=f"phalanx-window-{self._domain_id}-peer")
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
                 self._conns.append(conn)
-                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                     name=f"phalanx-window-{self._domain_id}-peer")
                 self._threads.append(t)
-            t.start()
+            try:
+                t.start()
+            except RuntimeError:  # no thread to be had: refuse this peer, keep serving
+                self._forget(conn, t)
+                conn.close()
+
+    def _forget(self, conn: socket.socket, thread: threading.Thread) -> None:
+        with self._lock:
+            if conn in self._conns:
+                self._conns.remove(conn)
+            if thread in self._threads:
+                self._threads.remove(thread)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -102,14 +119,16 @@ class WindowServer:
             conn.settimeout(30.0)  # the handshake's deadline
             nonce = os.urandom(_NONCE)
             conn.sendall(nonce)
-            rank, proof = struct.unpack(">q", _read(conn, 8))[0], _read(conn, 32)
+            head = _read(conn, 8 + 32 + _NONCE)
+            rank, proof, theirs = struct.unpack(">q", head[:8])[0], head[8:40], head[40:]
             if rank not in self._members or not hmac.compare_digest(
-                    proof, _proof(self._token, nonce, self._domain_id, rank)):
+                    proof, _proof(self._token, b"client", nonce, self._domain_id, rank)):
                 msg = (f"refused: {self._describe()} serves members {sorted(self._members)} "
                        f"holding the job's token").encode()
                 conn.sendall(_ACK.pack(_REFUSED, len(msg)) + msg)
                 return
-            conn.sendall(_ACK.pack(_OK, 0))
+            conn.sendall(_ACK.pack(_OK, 32) +
+                         _proof(self._token, b"server", theirs, self._domain_id, rank))
             conn.settimeout(None)  # requests come when the peer's task sends them
             while True:
                 op, offset, nbytes = _HEAD.unpack(_read(conn, _HEAD.size))
@@ -126,10 +145,11 @@ class WindowServer:
                 else:
                     conn.sendall(_ACK.pack(_OK, nbytes))
                     conn.sendall(self._window[offset:offset + nbytes])
-        except OSError:
-            return  # the peer went away, or close() shut this connection
+        except (OSError, ValueError):
+            return  # the peer went away, or close() shut this connection (and the window)
         finally:
             conn.close()
+            self._forget(conn, threading.current_thread())
 
     def close(self) -> None:
         with self._lock:
@@ -163,52 +183,62 @@ class WindowClient:
             self._sock = socket.create_connection((host, int(port)), timeout=timeout)
         except OSError as exc:
             raise WindowError(f"cannot reach the window of {peer}: {exc}") from exc
+        self.broken: str | None = None
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = _read(self._sock, _NONCE)
-            self._sock.sendall(struct.pack(">q", rank) + _proof(token, nonce, domain_id, rank))
-            self._ack()
+            mine = os.urandom(_NONCE)
+            with self._request("the handshake with"):
+                nonce = _read(self._sock, _NONCE)
+                self._sock.sendall(struct.pack(">q", rank) +
+                                   _proof(token, b"client", nonce, domain_id, rank) + mine)
+                if self._ack() != 32 or not hmac.compare_digest(
+                        _read(self._sock, 32), _proof(token, b"server", mine, domain_id, rank)):
+                    raise WindowError(f"{peer} did not prove the job's token: not this "
+                                      f"job's member (a stale address in the store?)")
         except BaseException:
             self._sock.close()
             raise
         self._sock.settimeout(timeout)  # every request's deadline
 
-    def _ack(self) -> int:
+    @contextlib.contextmanager
+    def _request(self, what: str) -> Iterator[None]:
+        """One request's errors as WindowError naming the peer; after any failure the
+        connection is closed for good (a torn request leaves the stream out of step)."""
+        if self.broken is not None:
+            raise WindowError(f"the connection to the window of {self.peer} is closed: "
+                              f"{self.broken}")
         try:
-            status, n = _ACK.unpack(_read(self._sock, _ACK.size))
-            if status != _OK:
-                raise WindowError(_read(self._sock, n).decode(errors="replace"))
-        except TimeoutError as exc:
-            raise WindowError(f"{self.peer} did not answer within "
-                              f"{self._sock.gettimeout():g}s") from exc
-        except OSError as exc:
+            yield
+        except BaseException as exc:
+            self.broken = f"{what} failed: {exc}"
+            self.close()
             if isinstance(exc, WindowError):
                 raise
-            raise WindowError(f"the connection to the window of {self.peer} broke: "
-                              f"{exc}") from exc
+            if isinstance(exc, TimeoutError):
+                raise WindowError(f"{what} {self.peer}: no answer within "
+                                  f"{self._sock.gettimeout()}s") from exc
+            if isinstance(exc, (OSError, ValueError, struct.error)):
+                raise WindowError(f"{what} {self.peer} failed: {exc}") from exc
+            raise
+
+    def _ack(self) -> int:
+        status, n = _ACK.unpack(_read(self._sock, _ACK.size))
+        if status != _OK:
+            raise WindowError(_read(self._sock, min(n, _MAX_MESSAGE)).decode(errors="replace"))
         return int(n)
 
     def put(self, offset: int, data: memoryview) -> None:
-        with self._lock:
-            try:
-                self._sock.sendall(_HEAD.pack(_PUT, offset, len(data)))
-                self._sock.sendall(data)
-            except OSError as exc:
-                raise WindowError(f"writing into the window of {self.peer} failed: "
-                                  f"{exc}") from exc
+        with self._lock, self._request("writing into the window of"):
+            self._sock.sendall(_HEAD.pack(_PUT, offset, len(data)))
+            for at in range(0, len(data), _SEND_CHUNK):
+                self._sock.sendall(data[at:at + _SEND_CHUNK])
             self._ack()
 
     def get_into(self, offset: int, out: memoryview) -> None:
-        with self._lock:
-            try:
-                self._sock.sendall(_HEAD.pack(_GET, offset, len(out)))
-            except OSError as exc:
-                raise WindowError(f"reading the window of {self.peer} failed: {exc}") from exc
+        with self._lock, self._request("reading the window of"):
+            self._sock.sendall(_HEAD.pack(_GET, offset, len(out)))
             self._ack()
-            try:
-                _read_exact(self._sock, out)
-            except OSError as exc:
-                raise WindowError(f"reading the window of {self.peer} failed: {exc}") from exc
+            _read_exact(self._sock, out)
 
     def close(self) -> None:
         try:

@@ -592,8 +592,10 @@ class Worker:
         """Ask every live rank to close its rank services (phalanx.runtime.rank_services)
         before the ranks stop, so a failure is reported here rather than lost in a rank's
         log at its exit."""
-        outcomes = self.call_ranks(self.alive_ranks(), close_services_here,
-                                   timeout=_SERVICES_CLOSE_S)
+        # a rank that never said READY (a failed start) ran no task, so holds no
+        # service, and would not answer: asking it cost the services' whole deadline
+        ready = [r for r in self.alive_ranks() if r in self._ready]
+        outcomes = self.call_ranks(ready, close_services_here, timeout=_SERVICES_CLOSE_S)
         failures = {r: o.error for r, o in outcomes.items() if o.error is not None}
         for r, exc in list(failures.items()):
             if isinstance(exc, RankDiedError) and exc.rank == r:
