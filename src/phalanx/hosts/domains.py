@@ -258,11 +258,7 @@ class HostDomainView:
         if peer == self.domain_rank:
             self.window[offset:offset + len(src)] = src
             return
-        try:
-            self._client(peer).put(offset, src)
-        except WindowError as exc:
-            self._drop_client(peer)  # closed by its failure: the next call reconnects
-            raise DomainError(f"domain rank {self.domain_rank}: put into {exc}") from None
+        self._remote(peer, "put into", lambda c: c.put(offset, src))
 
     def get(self, peer: int, offset: int, nbytes: int) -> bytes:
         out = bytearray(nbytes)
@@ -276,17 +272,20 @@ class HostDomainView:
         if peer == self.domain_rank:
             dst[:] = self.window[offset:offset + len(dst)]
             return
-        try:
-            self._client(peer).get_into(offset, dst)
-        except WindowError as exc:
-            self._drop_client(peer)
-            raise DomainError(f"domain rank {self.domain_rank}: get from {exc}") from None
+        self._remote(peer, "get from", lambda c: c.get_into(offset, dst))
 
-    def _drop_client(self, peer: int) -> None:
-        with self._lock:
-            client = self._clients.pop(peer, None)
-        if client is not None:
+    def _remote(self, peer: int, what: str, request: Callable[[WindowClient], None]) -> None:
+        """``request`` on ``peer``'s window client; a failed one is dropped (its
+        failure closed it), so the next call reconnects."""
+        client = self._client(peer)
+        try:
+            request(client)
+        except WindowError as exc:
+            with self._lock:
+                if self._clients.get(peer) is client:
+                    del self._clients[peer]
             client.close()
+            raise DomainError(f"domain rank {self.domain_rank}: {what} {exc}") from None
 
     # -- synchronisation and collectives (gloo on the members' group) ---------------------
     def _wait(self, what: str, issue: Callable[[], Any], timeout: float | None = None) -> None:
@@ -310,21 +309,21 @@ class HostDomainView:
         opts.timeout = timedelta(seconds=self.timeout if timeout is None else timeout)
         self._wait("barrier", lambda: self._group.barrier(opts), timeout)
 
-    def _flat(self, arr: Any, what: str) -> Any:
-        """``arr``'s bytes as a uint8 tensor over its memory, no copy (what broadcast
-        and allgather move: any dtype, as on one host)."""
-        import torch
-
+    def _writable(self, arr: Any, what: str) -> Any:
+        """``arr`` as the numpy array a collective writes into, in place."""
         a = np.asarray(arr)
         if not a.flags.c_contiguous or not a.flags.writeable:
             raise DomainError(f"domain {self.name!r}: {what} needs a writable "
                               f"C-contiguous array")
-        return torch.from_numpy(a.reshape(-1).view(np.uint8))
+        return a
 
     def broadcast(self, arr: Any, root: int = 0) -> Any:
         """Copy ``arr`` of domain rank ``root`` into ``arr`` of every member, in place."""
         self._check(root)
-        flat = self._flat(arr, "broadcast")
+        import torch
+
+        # its bytes, whatever the dtype (as on one host)
+        flat = torch.from_numpy(self._writable(arr, "broadcast").reshape(-1).view(np.uint8))
         self._wait("broadcast", lambda: self._group.broadcast(flat, root))
         return arr
 
@@ -337,11 +336,10 @@ class HostDomainView:
         if op not in _OPS:
             raise DomainError(f"allreduce op {op!r}: choose one of {sorted(_OPS)}")
         self._check()
-        a = np.asarray(arr)
+        a = self._writable(arr, "allreduce")
         if a.dtype.name not in _REDUCIBLE or not a.dtype.isnative:
             raise DomainError(f"domain {self.name!r}: allreduce of {a.dtype}: gloo reduces "
                               f"{sorted(_REDUCIBLE)} (native byte order) only")
-        self._flat(a, "allreduce")  # the same checks
         t = torch.from_numpy(a.reshape(-1))
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[op]()
