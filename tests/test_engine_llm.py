@@ -9,6 +9,7 @@ TP-2 engine, which it kills.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -259,6 +260,13 @@ def test_a_killed_rank_fails_every_request_and_poisons(model_dir: Path) -> None:
     finally:
         llm.close()
     llm.close()                           # idempotent
+
+
+def test_ranks_run_with_one_malloc_arena(llm: LLM) -> None:
+    # steps run on whichever serving thread read them; an arena per thread made every
+    # step fault its temporaries in afresh (phalanx.engine.ranks.rank_env)
+    outcomes = llm.engine.group.worker.call_ranks([0, 1], os.getenv, "MALLOC_ARENA_MAX")
+    assert {r: o.value for r, o in outcomes.items()} == {0: "1", 1: "1"}
 
 
 def test_checkpoint_config_is_the_fingerprint(model_dir: Path, llm: LLM) -> None:

@@ -32,6 +32,11 @@ share), never both at once:
   windows mapped once, as an engine step does) vs ``phalanx.engine.TorchDistComm``
   over gloo, in the same rank processes; median of batches of calls on rank 0.
 
+Every timed phase (each single-prompt request, b1, b16) starts after ``--settle-s`` of
+idle, on both sides alike, so it does not pay the previous request's background disk
+writes (the pages a prefill filled are stored once the ranks are quiet) or the
+maintenance a reopened disk tier runs behind requests; ``0`` measures them back to back.
+
 The JSON's top level is the default model in the issue's shape; ``models`` holds both
 models in that shape, ``ratios`` the goals' ratios and ``goals`` whether each is met.
 """
@@ -97,7 +102,8 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def _ttft(llm: LLM, ids: list[int]) -> tuple[float, Any]:
+def _ttft(llm: LLM, ids: list[int], settle_s: float) -> tuple[float, Any]:
+    time.sleep(settle_s)
     t0 = time.perf_counter()
     (out,) = llm.generate({"prompt_token_ids": ids}, _greedy(1))
     return time.perf_counter() - t0, out
@@ -137,7 +143,7 @@ def _prompts(seed: int, n: int, vocab: int, reps: int) -> tuple[list[list[int]],
 
 
 def run_phalanx(model: Path, tp: int, prompt_tokens: int, reps: int, decode_tokens: int,
-                batch: int, seed: int, max_batched: int) -> dict[str, Any]:
+                batch: int, seed: int, max_batched: int, settle_s: float) -> dict[str, Any]:
     vocab = _vocab(model)
     firsts, seconds = _prompts(seed, prompt_tokens, vocab, reps)
     kw = dict(tensor_parallel_size=tp, max_num_batched_tokens=max_batched,
@@ -148,14 +154,16 @@ def run_phalanx(model: Path, tp: int, prompt_tokens: int, reps: int, decode_toke
         with LLM(model=model, prefix_cache_disk=disk, **kw) as llm:  # type: ignore[arg-type]
             start_s = time.perf_counter() - t0
             llm.generate({"prompt_token_ids": _tokens(seed + 2, 64, vocab)}, _greedy(2))
-            misses = [_ttft(llm, f) for f in firsts]
-            mems = [_ttft(llm, f) for f in firsts]
+            misses = [_ttft(llm, f, settle_s) for f in firsts]
+            mems = [_ttft(llm, f, settle_s) for f in firsts]
+            time.sleep(settle_s)
             b1 = _decode_b1(llm, _tokens(seed + 3, DECODE_PROMPT, vocab), decode_tokens)
             prompts = [_tokens(seed + 100 + i, DECODE_PROMPT, vocab) for i in range(batch)]
+            time.sleep(settle_s)
             b16 = _decode_batch(llm, prompts, decode_tokens)
         with LLM(model=model, prefix_cache_disk=disk, **kw) as llm:  # type: ignore[arg-type]
             llm.generate({"prompt_token_ids": _tokens(seed + 4, 64, vocab)}, _greedy(2))
-            disks = [_ttft(llm, f) for f in seconds]
+            disks = [_ttft(llm, f, settle_s) for f in seconds]
     if any(o.num_cached_tokens for _, o in misses):
         raise BenchError("a miss was served cached tokens")
     if not all(o.cached_tokens_disk for _, o in disks):
@@ -198,7 +206,7 @@ class _Stamps:
 
 
 def run_transformers(model: Path, prompt_tokens: int, reps: int, decode_tokens: int,
-                     batch: int, seed: int, threads: int) -> dict[str, Any]:
+                     batch: int, seed: int, threads: int, settle_s: float) -> dict[str, Any]:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -220,16 +228,19 @@ def run_transformers(model: Path, prompt_tokens: int, reps: int, decode_tokens: 
         gen(_tokens(seed + 2, 64, vocab), 2)
         misses = []
         for f in _prompts(seed, prompt_tokens, vocab, reps)[0]:
+            time.sleep(settle_s)
             t0 = time.perf_counter()
             gen(f, 1)
             misses.append(time.perf_counter() - t0)
         miss = median(misses)
         stamps = _Stamps()
+        time.sleep(settle_s)
         gen(_tokens(seed + 3, DECODE_PROMPT, vocab), decode_tokens, stamps)
         if len(stamps.times) != decode_tokens:
             raise BenchError(f"transformers b1 produced {len(stamps.times)} tokens")
         b1 = (decode_tokens - 1) / (stamps.times[-1] - stamps.times[0])
         prompts = [_tokens(seed + 100 + i, DECODE_PROMPT, vocab) for i in range(batch)]
+        time.sleep(settle_s)
         mode, b16 = _hf_batch(hf, GenerationConfig, prompts, decode_tokens)
     return {
         "version": transformers.__version__,
@@ -400,17 +411,21 @@ def _describe(model: Path) -> dict[str, Any]:
 @click.option("--allreduce-bytes", default=4096, show_default=True)
 @click.option("--allreduce-iters", default=3000, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option("--settle-s", default=1.0, show_default=True,
+              help="seconds of idle before each timed phase, on both sides (0: back to "
+                   "back, paying the previous request's background disk writes)")
 @click.option("--quick", is_flag=True,
-              help="tiny sizes (a smoke test): 256-token prompt, 8 tokens, batch 4, no large")
+              help="tiny sizes (a smoke test): 256-token prompt, 8 tokens, batch 4, no "
+                   "large, no settling")
 @click.option("--json", "as_json", is_flag=True)
 def command(tp: int, prompt_tokens: int, reps: int, decode_tokens: int, batch: int, large: str,
             max_batched: int, allreduce_bytes: int, allreduce_iters: int, seed: int,
-            quick: bool, as_json: bool) -> None:
+            settle_s: float, quick: bool, as_json: bool) -> None:
     """phalanx.LLM beside transformers (TTFT, prefill, decode) and the TP all-reduce
     beside gloo's."""
     if quick:
         prompt_tokens, decode_tokens, batch, large = 256, 8, 4, ""
-        allreduce_iters, reps = 300, 1
+        allreduce_iters, reps, settle_s = 300, 1, 0.0
     size = None
     if large:
         layers, _, hidden = large.lower().partition("x")
@@ -420,9 +435,9 @@ def command(tp: int, prompt_tokens: int, reps: int, decode_tokens: int, batch: i
     with _models(size) as models:
         for name, path in models.items():
             ours = run_phalanx(path, tp, prompt_tokens, reps, decode_tokens, batch, seed,
-                               max_batched)
+                               max_batched, settle_s)
             theirs = run_transformers(path, prompt_tokens, reps, decode_tokens, batch, seed,
-                                      threads)
+                                      threads, settle_s)
             per_model[name] = {"model": _describe(path), **ours, "transformers": theirs,
                                "ratios": {
                                    "disk_hit_vs_miss": _ratio(ours["ttft_ms"]["miss"],
@@ -453,6 +468,7 @@ def command(tp: int, prompt_tokens: int, reps: int, decode_tokens: int, batch: i
         "setup": {"tp": tp, "prompt_tokens": prompt_tokens, "reps": reps,
                   "loadavg_1m": round(os.getloadavg()[0], 2), "decode_tokens": decode_tokens,
                   "batch": batch, "max_num_batched_tokens": max_batched, "cores": threads,
+                  "settle_s": settle_s,
                   "quick": quick},
     }
     emit(result, as_json)

@@ -13,6 +13,7 @@ from .host_disk import HostsDiskCache
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .plan import PageLoad, PageSave, SamplingSpec, SeqChunk, StepPlan, StepResult, TokenLogprobs
+from .ranks import rank_env
 from .sampling import SamplingParams
 from .scheduler import InMemoryTier, PrefixTier, Scheduler, SchedulerConfig
 
@@ -55,4 +56,5 @@ __all__ = [
     "TokenLogprobs",
     "TorchDistComm",
     "default_model_dir",
+    "rank_env",
 ]

@@ -265,7 +265,7 @@ class Runner:
         if max(pos) >= self.cfg.max_model_len:
             raise EngineError(f"step {plan.step}: position {max(pos)} is beyond max_model_len "
                               f"{self.cfg.max_model_len}")
-        meta = build_meta(spans, self.page_tokens, self.device)
+        meta = build_meta(spans, self.page_tokens, self.device, self.kv[0].dtype)
         dev = self.device
         with self._collectives():
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),

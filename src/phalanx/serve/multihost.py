@@ -41,6 +41,7 @@ class JobSpec:
 
 def serve_job(cfg: ServerConfig, job: JobSpec) -> int:
     """Run this node's part of a multi-host ``serve``; the exit status."""
+    from phalanx.engine import rank_env
     from phalanx.hosts import HostAgent, MultiHostWorker, NodeSpec
 
     token = os.environ.get("PHALANX_JOB_TOKEN", "")
@@ -58,7 +59,7 @@ def serve_job(cfg: ServerConfig, job: JobSpec) -> int:
                     timeout=job.timeout)
     if job.node_rank != 0:
         try:
-            ex = HostAgent(spec, per_node, lost_after=job.lost_after).run()
+            ex = HostAgent(spec, per_node, lost_after=job.lost_after, env=rank_env()).run()
         except Exception as exc:  # noqa: BLE001  the command's one line
             print(f"phalanx serve (node {job.node_rank}): {exc}", file=sys.stderr, flush=True)
             return 1
@@ -66,7 +67,7 @@ def serve_job(cfg: ServerConfig, job: JobSpec) -> int:
               flush=True)
         return ex.code
     try:
-        hosts = MultiHostWorker(spec, per_node, lost_after=job.lost_after)
+        hosts = MultiHostWorker(spec, per_node, lost_after=job.lost_after, env=rank_env())
     except Exception as exc:  # noqa: BLE001  the command's one line
         print(f"phalanx serve (node 0): the job did not start: {exc}", file=sys.stderr,
               flush=True)
