@@ -24,7 +24,7 @@ queued) before each store and maintenance burst, so back-to-back requests do not
 share their cores with it. A store that fails (disk full, a failpoint, pages
 pushed out of staging) or that finds the queue full is counted and dropped: it costs
 a later miss, never a wrong answer. The thread also runs the cache's maintenance in
-bounded bursts while it is idle.
+bounded bursts while it is idle, less and less often while there is nothing to do.
 """
 
 from __future__ import annotations
@@ -53,6 +53,14 @@ __all__ = ["DiskLoad", "DiskLoads", "DiskTier", "DiskTierStats", "rank_lookup",
 log = logging.getLogger("phalanx.engine")
 
 _IDLE_POLL_S = 0.5          # how long the store thread waits before a maintenance burst
+# ... doubled after each second burst in a row that did nothing, up to _IDLE_POLL_MAX_S;
+# a burst that did work starts again from _IDLE_POLL_S. Each burst is a run on rank 0,
+# and an idle server ran two a second forever. One empty burst alone keeps the pace: a
+# burst reports 0 when the peers' windows are full (acks on the way) as well as when
+# nothing is due. A store does not reset it: the store path makes its own room. Jobs
+# that fall due with time alone (records past their age) wait at most
+# _IDLE_POLL_MAX_S for their burst.
+_IDLE_POLL_MAX_S = 8.0
 _MAINTENANCE_JOBS = 64      # jobs per burst: a store waits behind one burst at most
 # Before a store or a burst the thread waits for the ranks to be quiet this long (no
 # step, no lookup), at most _QUIET_WAIT_S: a store of one page costs 2-12 ms of the two
@@ -219,13 +227,19 @@ class DiskTier:
 
     def _run(self) -> None:
         behind = False  # the last burst did work: more may be due, so do not idle
+        idle, empty = _IDLE_POLL_S, 0   # the pace of bursts; empty bursts in a row
         while True:
             try:
-                item = self._q.get_nowait() if behind else self._q.get(timeout=_IDLE_POLL_S)
+                item = self._q.get_nowait() if behind else self._q.get(timeout=idle)
             except queue.Empty:
                 if self._stopping:
                     return
                 behind = self._maintain() > 0
+                empty = 0 if behind else empty + 1
+                if behind:
+                    idle = _IDLE_POLL_S
+                elif empty >= 2:
+                    idle = min(2 * idle, _IDLE_POLL_MAX_S)
                 continue
             if item is None:
                 return
