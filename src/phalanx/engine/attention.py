@@ -76,8 +76,9 @@ def build_meta(chunks: list[tuple[int, int, list[int]]], page_tokens: int,
     tensors on ``device`` (built on the host, moved once per step). Masks are additive
     (0 where a query sees a key, -inf where not) in ``dtype``, the queries' dtype: SDPA
     turns a bool mask into that with a fresh float tensor in every layer's call (for a
-    128-token chunk over 2,048 positions, 1 MiB allocated, faulted in and filled per layer:
-    3-12 ms of a 25-40 ms step in a rank process)."""
+    128-token chunk over 2,048 positions, 1 MiB allocated and filled per layer: 1-3 ms
+    a layer under the profiler in a rank process, before the ranks had one malloc
+    arena)."""
     metas: list[ChunkMeta] = []
     pages: list[int] = []
     slots: list[int] = []
