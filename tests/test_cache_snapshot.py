@@ -23,7 +23,7 @@ import numpy as np
 from cache_util import FP, GEOM, Built, Clock, Stores, build_tree, page_row, record_files, stores
 from phalanx.kvstore import DiskStore, RecordCorruptError, StoreOptions, fingerprint_digest
 from phalanx.kvstore.index import Index
-from phalanx.kvstore.record import record_name
+from phalanx.kvstore.record import FLAG_THINNED, record_name
 from phalanx.kvstore.recovery import build_index, recover, scan
 from phalanx.kvstore.snapshot import SEAL_NAME, SNAPSHOT_NAME, read_snapshot
 from phalanx.lifecycle.failpoints import arm, disarm
@@ -95,6 +95,23 @@ def test_snapshot_written_at_close_sealed_and_used(tmp_path: Path, stores: Store
     res = recover(str(tmp_path), GEOM, FPD, progress=False)
     assert res.snapshot == "sealed" and len(res.columns) == len(built.tokens) + 1
     assert res.from_snapshot == len(res.columns)
+
+
+def test_snapshot_lies_in_the_order_recovery_attaches(tmp_path: Path, stores: Stores) -> None:
+    # ready rows by first page, then thinned ones: a reopen builds its index from the
+    # snapshot as it lies, with no sort while a restart waits
+    s = stores.open(tmp_path, clock=Clock())
+    build_tree(s, 150, branchy=True, full_rows=True, seed=3, max_new_pages=3, max_span=4)
+    while s.poll():  # thin what overlapping rows made redundant
+        pass
+    s.close()
+    cols = recover(str(tmp_path), GEOM, FPD, progress=False).columns
+    order = [(bool(f & FLAG_THINNED), s) for f, s in zip(cols.flags, cols.starts, strict=True)]
+    assert order == sorted(order)
+    # the tree was written out of that order, with thinned rows among the ready ones
+    assert any(thin for thin, _ in order) and any(s for thin, s in order if not thin)
+    s = stores.open(tmp_path, clock=Clock())
+    assert _view(s._core.index) == _from_headers(tmp_path) and s.check() == []
 
 
 def test_seal_is_not_written_when_close_fails_to_seal(tmp_path: Path, stores: Stores) -> None:

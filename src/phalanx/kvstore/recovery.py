@@ -215,23 +215,27 @@ def recover(directory: str, geometry: Geometry, fingerprint: bytes,
     to_read: list[str] = []
     with os.scandir(directory) as it:
         inode_of = {e.name: e.inode() for e in it}  # the listing carries inodes: no stat
-    # names the snapshot does not hold (set difference: C speed): classify, read records
-    for name in inode_of.keys() - (snap.rows.keys() if snap is not None else set()):
-        if name in _OURS:
-            continue
-        if is_temp_name(name):
-            res.temps.append(name)
-        elif len(name) != _NAME_LEN or not name.endswith(RECORD_SUFFIX):
-            res.foreign.append(name)
-        else:
-            to_read.append(name)
-    res.temps += staged_temps(directory)
     if snap is None:
         trusted: list[int] = []
+        present = 0
     elif sealed:
-        trusted = _trusted_by_inode(snap, inode_of, to_read)
+        trusted, present = _trusted_by_inode(snap, inode_of, to_read)
     else:
-        trusted = _trusted_by_stat(directory, snap, inode_of.keys(), to_read, res)
+        trusted, present = _trusted_by_stat(directory, snap, inode_of.keys(), to_read, res)
+    # names the snapshot does not hold: classify them, read the records' headers. On a
+    # clean restart there are none but ours, which a count shows (no set difference)
+    if present + sum(name in inode_of for name in _OURS) != len(inode_of):
+        known = set(snap.names) if snap is not None else set()
+        for name in inode_of.keys() - known:  # set difference: C speed
+            if name in _OURS:
+                continue
+            if is_temp_name(name):
+                res.temps.append(name)
+            elif len(name) != _NAME_LEN or not name.endswith(RECORD_SUFFIX):
+                res.foreign.append(name)
+            else:
+                to_read.append(name)
+    res.temps += staged_temps(directory)
     cols = snap.columns if snap is not None else Columns()
     if len(trusted) != len(cols):  # names are unique: all trusted means every row once
         cols = cols.take(trusted)
@@ -247,9 +251,11 @@ def recover(directory: str, geometry: Geometry, fingerprint: bytes,
     return res
 
 
-def _trusted_by_inode(snap: Snapshot, inode_of: dict[str, int], to_read: list[str]) -> list[int]:
-    """Rows of a sealed snapshot whose file is listed under the same inode. A file
-    replaced since has another inode: its header is read. (map/zip loops: C speed.)"""
+def _trusted_by_inode(snap: Snapshot, inode_of: dict[str, int],
+                      to_read: list[str]) -> tuple[list[int], int]:
+    """Rows of a sealed snapshot whose file is listed under the same inode, and how many
+    of its files are listed. A file replaced since has another inode: its header is
+    read. (map/zip loops: C speed.)"""
     listed = list(map(inode_of.get, snap.names))  # None: removed since the snapshot
     same = np.fromiter(map(operator.eq, listed, snap.inos), dtype=bool, count=len(listed))
     trusted: list[int] = np.flatnonzero(same).tolist()  # in the snapshot's order
@@ -257,16 +263,18 @@ def _trusted_by_inode(snap: Snapshot, inode_of: dict[str, int], to_read: list[st
         to_read.extend(name for name, ino, ok in zip(snap.names, listed, same.tolist(),
                                                       strict=True)
                        if not ok and ino is not None)
-    return trusted
+    return trusted, len(listed) - listed.count(None)
 
 
 def _trusted_by_stat(directory: str, snap: Snapshot, listed: Set[str], to_read: list[str],
-                     res: ScanResult) -> list[int]:
+                     res: ScanResult) -> tuple[list[int], int]:
     """Rows of an unsealed snapshot whose file's size, mtime, ctime and inode all match
-    and whose mtime is older than the snapshot by the racy window (see snapshot.py)."""
+    and whose mtime is older than the snapshot by the racy window (see snapshot.py),
+    and how many of its files are listed."""
     sizes, mtimes, ctimes, inos = snap.columns.file_lens, snap.mtimes, snap.ctimes, snap.inos
     cutoff = snap.cutoff_ns
     trusted: list[int] = []
+    present = 0
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         # the snapshot's files in its order (write order: inode order on a fresh
@@ -276,6 +284,7 @@ def _trusted_by_stat(directory: str, snap: Snapshot, listed: Set[str], to_read: 
         for i, name in enumerate(snap.names):
             if name not in listed:
                 continue  # removed since the snapshot
+            present += 1
             try:
                 st = stat(name, dir_fd=dfd, follow_symlinks=False)
             except OSError:
@@ -289,7 +298,7 @@ def _trusted_by_stat(directory: str, snap: Snapshot, listed: Set[str], to_read: 
                 to_read.append(name)
     finally:
         os.close(dfd)
-    return trusted
+    return trusted, present
 
 
 def build_index(headers: list[RecordHeader]) -> Index:
@@ -311,12 +320,13 @@ def build_index_columns(cols: Columns) -> Index:
     index = Index()
     root, nodes, records = index.root, index.nodes, index.records
     n = len(cols.keys)
-    thin_col = np.array(cols.flags, dtype=np.int64) & FLAG_THINNED
+    thin_col = (np.array(cols.flags, dtype=np.int64) & FLAG_THINNED) != 0
     start_col = np.array(cols.starts, dtype=np.int64)
     columns = (cols.keys, cols.parents, cols.starts, cols.ends, cols.row_lens,
                cols.file_lens, cols.created, cols.flags, cols.spans)
-    if n > 1 and (thin_col.any() or (np.diff(start_col) < 0).any()):
-        # ready rows first, by first page (stable: equal starts keep their order)
+    # ready rows first, by first page (stable: equal starts keep their order); a
+    # snapshot is written in this order (collect_facts), so it is mostly checked only
+    if n > 1 and (np.diff((thin_col.astype(np.int64) << 32) | start_col) < 0).any():
         pick = operator.itemgetter(*np.lexsort((start_col, thin_col)).tolist())
         columns = tuple(list(pick(col)) for col in columns)  # type: ignore[assignment]
     attached = 0

