@@ -112,6 +112,13 @@ def test_snapshot_lies_in_the_order_recovery_attaches(tmp_path: Path, stores: St
     assert any(thin for thin, _ in order) and any(s for thin, s in order if not thin)
     s = stores.open(tmp_path, clock=Clock())
     assert _view(s._core.index) == _from_headers(tmp_path) and s.check() == []
+    s.close()
+    # under a seal, names the snapshot does not hold are still found and classified
+    (tmp_path / "copy").write_bytes(b"not ours")
+    (tmp_path / f".{SNAPSHOT_NAME}.123.456.tmp").write_bytes(b"partial")
+    res = recover(str(tmp_path), GEOM, FPD, progress=False)
+    assert res.snapshot == "sealed" and res.from_snapshot == len(res.columns) == len(order)
+    assert res.foreign == ["copy"] and len(res.temps) == 1 and res.bad == []
 
 
 def test_seal_is_not_written_when_close_fails_to_seal(tmp_path: Path, stores: Stores) -> None:
