@@ -17,9 +17,9 @@ Two lanes share each link's window:
   For ``_BUSY_S`` after any request, the lane keeps at most ``window // 8`` ops in
   flight (``busy_reserve``): a request's store waits behind every maintenance op
   already queued on each peer (peers apply in order), and with 48 unlinks ahead of it
-  its p99 during a 100,000-job burst was 4.9-7.1x its idle p99; with 8 it is
-  1.4-1.5x, for 17% of the burst's jobs/s (BENCHMARKS.md). With no request in the last
-  second the lane has its whole share again.
+  its p99 during a 100,000-job burst was 4.5-7.1x its idle p99; with 8 it is
+  1.35-1.56x, for 22% of the burst's jobs/s while requests keep coming (BENCHMARKS.md).
+  With no request in the last second the lane has its whole share again.
 """
 
 from __future__ import annotations
