@@ -325,7 +325,8 @@ def build_index_columns(cols: Columns) -> Index:
     columns = (cols.keys, cols.parents, cols.starts, cols.ends, cols.row_lens,
                cols.file_lens, cols.created, cols.flags, cols.spans)
     # ready rows first, by first page (stable: equal starts keep their order); a
-    # snapshot is written in this order (collect_facts), so it is mostly checked only
+    # snapshot is written in this order (collect_facts), so a reopen usually only
+    # checks it
     if n > 1 and (np.diff((thin_col.astype(np.int64) << 32) | start_col) < 0).any():
         pick = operator.itemgetter(*np.lexsort((start_col, thin_col)).tolist())
         columns = tuple(list(pick(col)) for col in columns)  # type: ignore[assignment]

@@ -92,9 +92,11 @@ class Leader:
         self.source = source
         self.links = links
         self.reserve = reserve
-        window = min((ln.window for ln in links.values()), default=0)
+        # the smallest window of the links (all made before rank 0's leader): what
+        # maintenance may take is reckoned from it
+        self._window = min((ln.window for ln in links.values()), default=0)
         # the credits maintenance leaves free while requests are recent (see the module doc)
-        self.busy_reserve = max(reserve, window - max(1, window // 8))
+        self.busy_reserve = max(reserve, self._window - max(1, self._window // 8))
         self._last_request = float("-inf")  # when the last request-lane call ended
         self._collector = collector
         self._order = threading.Lock()
@@ -124,8 +126,7 @@ class Leader:
     def _batch(self, reserve: int) -> int:
         # Refill in batches: wait for a quarter of the lane's credits, not for one (one
         # frame per send and per ack otherwise); never more than the lane can ever get.
-        return max(1, (min(ln.window for ln in self.links.values()) - reserve) // 4
-                   if self.links else 1)
+        return max(1, (self._window - reserve) // 4) if self.links else 1
 
     def store_chain(self, chain: KeyChain, from_page: int | None = None,
                     wait: bool = True) -> StoreResult:
