@@ -302,9 +302,10 @@ def test_disk_tier_cached_equals_recomputed(model_dir: Path, tmp_path: Path) -> 
     with LLM(model_dir, prefix_cache_disk=cache, **opts) as llm:
         cold = llm.generate(_ids(prompts), sp)
         assert [o.outputs[0].token_ids for o in cold] == ref
-        tier = llm.engine.disk_tier
-        assert tier is not None and tier.drain(60) and tier.stats.stores > 0
-        assert tier.stats.store_failures == 0
+        assert llm.drain_disk_stores(60)
+        stats = llm.engine.stats()
+        assert stats["cache_disk_stores_pending"] == 0 and stats["disk_tier_stores"] > 0
+        assert stats["disk_tier_store_failures"] == 0
         warm = llm.generate(_ids(prompts), sp)                       # memory tier
         assert [o.outputs[0].token_ids for o in warm] == ref
         assert all(o.cached_tokens_memory > 0 for o in warm)
@@ -323,15 +324,23 @@ def test_disk_tier_cached_equals_recomputed(model_dir: Path, tmp_path: Path) -> 
         assert all(o.cached_tokens_disk > 0 for o in restarted[:4])
         # a disk tier that refuses every store costs misses, never a wrong answer
         again.engine.group.worker.arm_failpoint("cache.store.temp_opened", "raise")
-        tier = again.engine.disk_tier
-        assert tier is not None
         out = again.generate(_ids(refused), sp)
         assert [o.outputs[0].token_ids for o in out] == ref_refused
-        assert tier.drain(60) and tier.stats.store_failures > 0
+        assert again.drain_disk_stores(60)
+        assert again.engine.stats()["disk_tier_store_failures"] > 0
         again.engine.group.worker.disarm_failpoints()
         assert again.reset_prefix_cache()
         out2 = again.generate(_ids(refused), sp)
         assert [o.outputs[0].token_ids for o in out2] == ref_refused
+        # a store that hangs on rank 0: the request did not wait for it, the store is
+        # reported pending until it ends (the hang's 5 s bound the check's window)
+        again.engine.group.worker.arm_failpoint("cache.store.temp_opened", "hang:5*1",
+                                                ranks=0)
+        again.generate(_ids(_shared_prompts(1, seed=3)), sp)
+        assert again.engine.stats()["cache_disk_stores_pending"] >= 1
+        assert not again.drain_disk_stores(0)
+        assert again.drain_disk_stores(60)
+        assert again.engine.stats()["cache_disk_stores_pending"] == 0
 
 
 def _ids(prompts: list[list[int]]) -> list[dict[str, Any]]:

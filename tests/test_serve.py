@@ -169,6 +169,10 @@ def test_metrics_export_what_the_grafana_dashboard_queries(server: Server) -> No
     lines = server.client.get("/metrics").text.splitlines()
     assert "phalanx:uncertain_resources 0.0" in lines  # exported, and nothing is uncertain
     assert any(line.startswith("phalanx:cache_maintenance_queue ") for line in lines)
+    # the requests above left pages to store: the gauge says so until they are on disk
+    assert any(line.startswith("phalanx:cache_disk_stores_pending ") for line in lines)
+    wait_for(lambda: server.metric("phalanx:cache_disk_stores_pending") == 0, 60,
+             "the disk tier's stores to finish")
     queued = server.metric_by_label("phalanx:cache_maintenance_queued")
     assert set(queued) == set(records) and min(queued.values()) >= 0
     assert server.metric("phalanx:prefix_cache_queries_total") >= \

@@ -32,10 +32,16 @@ share), never both at once:
   windows mapped once, as an engine step does) vs ``phalanx.engine.TorchDistComm``
   over gloo, in the same rank processes; median of batches of calls on rank 0.
 
-Every timed phase (each single-prompt request, b1, b16) starts after ``--settle-s`` of
-idle, on both sides alike, so it does not pay the previous request's background disk
-writes (the pages a prefill filled are stored once the ranks are quiet) or the
-maintenance a reopened disk tier runs behind requests; ``0`` measures them back to back.
+Every timed phase of phalanx (each single-prompt request, b1, b16) starts once the
+previous requests' background disk writes are done (``LLM.drain_disk_stores``: the pages
+a prefill filled are stored once the ranks are quiet), so it does not pay for them; on
+transformers' side there is nothing to wait for. Then ``--settle-s`` of idle, on both
+sides alike (default 0). Idle is not free on this VM: memory a process has not touched
+for a second costs up to ~3 us a 4 KiB page to touch again (a 16 MiB tensor's sum takes
+8-21 ms after 1 s of sleep, 0.7-1.4 ms right after; no guest page fault is counted, so
+it is below the guest kernel), and a 1-token request to an idle ``LLM`` took 12 ms after
+0.3 s of idle instead of 4 back to back. That is a fixed cost per request that weighs
+on a 20 ms hit and not on a 200 ms miss; ``--settle-s 1`` shows it.
 
 The JSON's top level is the default model in the issue's shape; ``models`` holds both
 models in that shape, ``ratios`` the goals' ratios and ``goals`` whether each is met.
@@ -102,8 +108,16 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+def _settle(llm: LLM, settle_s: float) -> None:
+    """The previous requests' disk writes done, then ``settle_s`` of idle."""
+    if not llm.drain_disk_stores(timeout=120):
+        raise BenchError("the disk tier's background stores did not finish in 120 s")
+    if settle_s:
+        time.sleep(settle_s)
+
+
 def _ttft(llm: LLM, ids: list[int], settle_s: float) -> tuple[float, Any]:
-    time.sleep(settle_s)
+    _settle(llm, settle_s)
     t0 = time.perf_counter()
     (out,) = llm.generate({"prompt_token_ids": ids}, _greedy(1))
     return time.perf_counter() - t0, out
@@ -156,10 +170,10 @@ def run_phalanx(model: Path, tp: int, prompt_tokens: int, reps: int, decode_toke
             llm.generate({"prompt_token_ids": _tokens(seed + 2, 64, vocab)}, _greedy(2))
             misses = [_ttft(llm, f, settle_s) for f in firsts]
             mems = [_ttft(llm, f, settle_s) for f in firsts]
-            time.sleep(settle_s)
+            _settle(llm, settle_s)
             b1 = _decode_b1(llm, _tokens(seed + 3, DECODE_PROMPT, vocab), decode_tokens)
             prompts = [_tokens(seed + 100 + i, DECODE_PROMPT, vocab) for i in range(batch)]
-            time.sleep(settle_s)
+            _settle(llm, settle_s)
             b16 = _decode_batch(llm, prompts, decode_tokens)
         with LLM(model=model, prefix_cache_disk=disk, **kw) as llm:  # type: ignore[arg-type]
             llm.generate({"prompt_token_ids": _tokens(seed + 4, 64, vocab)}, _greedy(2))
@@ -411,9 +425,9 @@ def _describe(model: Path) -> dict[str, Any]:
 @click.option("--allreduce-bytes", default=4096, show_default=True)
 @click.option("--allreduce-iters", default=3000, show_default=True)
 @click.option("--seed", default=0, show_default=True)
-@click.option("--settle-s", default=1.0, show_default=True,
-              help="seconds of idle before each timed phase, on both sides (0: back to "
-                   "back, paying the previous request's background disk writes)")
+@click.option("--settle-s", default=0.0, show_default=True,
+              help="seconds of idle before each timed phase, on both sides, after "
+                   "phalanx's background disk writes are done")
 @click.option("--quick", is_flag=True,
               help="tiny sizes (a smoke test): 256-token prompt, 8 tokens, batch 4, no "
                    "large, no settling")

@@ -33,13 +33,15 @@ deadline) and reaped in a ``finally``, whatever fails:
    (missing ``fastapi``/``accelerate``: ``pip install 'transformers[serving]'``), the
    JSON's ``transformers.error`` says why and the rest still runs.
 
-Each single-prompt request waits ``--settle-s`` first (every server alike), so a
-request's TTFT does not pay the previous one's background disk writes (``0`` measures
-them back to back). Prompts are text (``transformers serve``'s completions take no
-token ids): seeded token ids of the model's own tokenizer, decoded, so each is about
-``--prompt-tokens`` tokens long (``prompt_tokens`` reports what the server counted).
-Greedy, EOS ignored where the server honours ``ignore_eos`` (phalanx does; transformers
-ignores the field).
+Each single-prompt request and each burst of clients starts once every phalanx
+server's disk tier has stored what earlier requests left it (the server's
+``phalanx:cache_disk_stores_pending`` gauge is 0), so no TTFT pays an earlier request's
+background disk writes; then ``--settle-s`` of idle, every server alike (default 0: on
+this VM idle is not free, see ``phalanx_bench.engine``). Prompts are text
+(``transformers serve``'s completions take no token ids): seeded token ids of the
+model's own tokenizer, decoded, so each is about ``--prompt-tokens`` tokens long
+(``prompt_tokens`` reports what the server counted). Greedy, EOS ignored where the
+server honours ``ignore_eos`` (phalanx does; transformers ignores the field).
 TTFT is the first chunk carrying text; ITL the gaps between text chunks.
 """
 
@@ -258,10 +260,35 @@ def _client(n: int) -> Any:
 
 # seconds of idle before each single-prompt request (--settle-s), on every server alike
 SETTLE_S = [0.0]
+# what a phalanx server reports its disk tier's stores queued or running in
+_STORES_PENDING = re.compile(r"^phalanx:cache_disk_stores_pending (\S+)$", re.M)
+_DRAIN_S = 120.0
+
+
+def disk_writes_done(url: str) -> None:
+    """Wait until the phalanx server at ``url`` has stored what earlier requests left its
+    disk tier (at once without one)."""
+    import httpx
+
+    deadline = time.monotonic() + _DRAIN_S
+    while True:
+        m = _STORES_PENDING.search(httpx.get(url + "/metrics", timeout=30).text)
+        if m is None:
+            raise BenchError(f"{url}/metrics has no phalanx:cache_disk_stores_pending")
+        if float(m.group(1)) == 0:
+            return
+        if time.monotonic() > deadline:
+            raise BenchError(f"{url}: {m.group(1)} disk-tier stores still pending after "
+                             f"{_DRAIN_S:g} s")
+        time.sleep(0.01)
 
 
 def one_prompt(url: str, model_name: str, prompt: str, max_tokens: int,
-               extra: dict[str, Any]) -> Timing:
+               extra: dict[str, Any], drain: tuple[str, ...] = ()) -> Timing:
+    """One streamed completion, after the servers ``drain`` have no disk writes pending
+    and ``--settle-s``."""
+    for server in drain:
+        disk_writes_done(server)
     time.sleep(SETTLE_S[0])
     with _client(1) as c:
         return stream(c, url, "/v1/completions", {"model": model_name, "prompt": prompt,
@@ -367,7 +394,8 @@ def paired_misses(cache_url: str, nocache_url: str, name: str, prompts: list[str
         if i % 2:
             order.reverse()
         for url, into in order:
-            into.append(one_prompt(url, name, q, max_tokens, PHALANX_EXTRA))
+            into.append(one_prompt(url, name, q, max_tokens, PHALANX_EXTRA,
+                                   (cache_url, nocache_url)))
     return cache, nocache
 
 
@@ -398,15 +426,20 @@ def run(model: Path, tp: int, prompt_tokens: int, reps: int, pairs: int, max_tok
         one_prompt(s.url, name, warm, 4, PHALANX_EXTRA)
         one_prompt(nc.url, name, warm, 4, PHALANX_EXTRA)
         miss, miss_nc = paired_misses(s.url, nc.url, name, prompts, max_tokens)
-        mem = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA) for q in prompts[:reps]]
-        mem_95 = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA) for q in mem95]
+        both = (s.url, nc.url)
+        mem = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA, both)
+               for q in prompts[:reps]]
+        mem_95 = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA, both) for q in mem95]
+        disk_writes_done(s.url)
         burst = concurrent_clients(s.url, name, chats, max_tokens, PHALANX_EXTRA)
+        disk_writes_done(s.url)   # the burst's stores would share the cores with the next
         burst_nc = concurrent_clients(nc.url, name, chats_nc, max_tokens, PHALANX_EXTRA)
         stop(started, nc)
         stop(started, s)
         s = start_phalanx(started, model, tp, disk, logs / "phalanx-restart.log", [])
         one_prompt(s.url, name, warm + " restart", 4, PHALANX_EXTRA)
-        disk_hit = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA) for q in prompts95]
+        disk_hit = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA, (s.url,))
+                    for q in prompts95]
         stop(started, s)
         ratios = [a.ttft / b.ttft for a, b in zip(miss, miss_nc, strict=True)]
         out["phalanx"] = {"miss": single(miss), "memory_hit": single(mem),
@@ -514,9 +547,9 @@ def _shape(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
 @click.option("--transformers-mode", type=click.Choice(["continuous", "static"]),
               default="continuous", show_default=True)
 @click.option("--no-transformers", is_flag=True, help="phalanx only")
-@click.option("--settle-s", default=1.0, show_default=True,
-              help="idle seconds before each single-prompt request (the previous one's "
-                   "background disk writes end first), on every server")
+@click.option("--settle-s", default=0.0, show_default=True,
+              help="idle seconds before each single-prompt request, on every server "
+                   "(after phalanx's background disk writes are done)")
 @click.option("--logs", default=None, type=click.Path(file_okay=False),
               help="keep the servers' logs here [default: a temporary directory]")
 @click.option("--seed", default=0, show_default=True)

@@ -278,6 +278,12 @@ class DiskTier:
         self.stats.last_error = f"{what}: {exc!r}"
         log.warning("disk tier %s failed (a cache miss later, not an error): %s", what, exc)
 
+    @property
+    def pending(self) -> int:
+        """Stores queued or running (a finished prefill's pages on their way to disk)."""
+        with self._cv:
+            return self._pending
+
     def drain(self, timeout: float) -> bool:
         """Wait until every queued store ran; False if ``timeout`` passed first."""
         with self._cv:

@@ -259,6 +259,11 @@ class Engine:
         with self._step_lock:
             return self.scheduler.pool.reset()
 
+    def drain_disk_stores(self, timeout: float) -> bool:
+        """Wait until every store queued for the disk tier ran (True at once without
+        one); False if ``timeout`` passed first."""
+        return self.disk_tier is None or self.disk_tier.drain(timeout)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -298,7 +303,8 @@ class Engine:
         return {"disk_tier_stores": s.stores, "disk_tier_store_failures": s.store_failures,
                 "disk_tier_pages_loaded": s.pages_loaded,
                 "disk_tier_load_failures": s.load_failures,
-                "disk_tier_maintenance_jobs": s.maintenance_jobs}
+                "disk_tier_maintenance_jobs": s.maintenance_jobs,
+                "cache_disk_stores_pending": tier.pending}
 
     def disk_records(self, timeout: float = 10.0) -> dict[str, dict[int, int]]:
         """Records and bytes of each rank's disk tier (asks every rank: not per request)."""

@@ -168,6 +168,13 @@ class LLM:
         """Drop the memory tier of the prefix cache (vLLM's name); the disk tier stays."""
         return self.engine.reset_prefix_cache()
 
+    def drain_disk_stores(self, timeout: float = 60.0) -> bool:
+        """Wait until the pages of finished prefills are on disk (True; at once without a
+        disk tier), or ``timeout`` passed (False). Requests never wait for these stores
+        (they run once the ranks are quiet); a benchmark that must not time them, or a
+        program about to reopen the directory elsewhere, does."""
+        return self.engine.drain_disk_stores(timeout)
+
     def chat(
         self, messages: Sequence[Mapping[str, Any]],
         sampling_params: SamplingParams | None = None,

@@ -65,6 +65,8 @@ _PER_PEER_GAUGES = {
     "replication_link_pending": "Ops waiting for credits on rank 0's link to each peer.",
 }
 _SCALAR_GAUGES = {
+    "cache_disk_stores_pending": "Prefix-cache stores queued or running: finished "
+                                 "prefills' pages on their way to disk.",
     "cache_maintenance_queue": "Maintenance jobs the disk tier still has to do (rank 0's "
                                "queue: it decides them).",
 }
