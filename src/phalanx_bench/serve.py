@@ -9,7 +9,12 @@ deadline) and reaped in a ``finally``, whatever fails:
 
 1. Two phalanx servers at once, one with its disk tier on a fresh directory (cache
    enabled, cold), one with ``--no-prefix-cache-disk`` (serve has no switch for the
-   memory tier, which is always on); one request warms each. (a) ``--pairs``
+   memory tier, which is always on); a short request and ``--warmups`` untimed misses
+   of ``--prompt-tokens`` warm each (a fresh rank's heap grows over its first requests:
+   the last chunk of a 2,048-token miss faulted 500-2,900 pages in each of the first
+   three to five misses and mostly none after fifteen, more on the disk-enabled ranks,
+   whose store path allocates between the steps; vLLM's client has ``--num-warmups``
+   for the same). (a) ``--pairs``
    completion prompts of ``--prompt-tokens`` each, every prompt cold on both servers
    back to back, in ABBA order: ``miss`` and the disk-off miss; ``miss_overhead`` =
    the median of the per-prompt ratios cache-enabled / disk-off TTFT, minus 1 (two
@@ -399,9 +404,9 @@ def paired_misses(cache_url: str, nocache_url: str, name: str, prompts: list[str
     return cache, nocache
 
 
-def run(model: Path, tp: int, prompt_tokens: int, reps: int, pairs: int, max_tokens: int,
-        clients: int, systems: int, system_tokens: int, seed: int, transformers_mode: str,
-        with_transformers: bool, logs: Path) -> dict[str, Any]:
+def run(model: Path, tp: int, prompt_tokens: int, reps: int, pairs: int, warmups: int,
+        max_tokens: int, clients: int, systems: int, system_tokens: int, seed: int,
+        transformers_mode: str, with_transformers: bool, logs: Path) -> dict[str, Any]:
     p = Prompts(model)
     shared = round(prompt_tokens * 0.95)
     firsts = [p.ids(seed + 10 * i, prompt_tokens) for i in range(max(reps, pairs))]
@@ -425,6 +430,8 @@ def run(model: Path, tp: int, prompt_tokens: int, reps: int, pairs: int, max_tok
         name = _served_name(s.url)
         one_prompt(s.url, name, warm, 4, PHALANX_EXTRA)
         one_prompt(nc.url, name, warm, 4, PHALANX_EXTRA)
+        paired_misses(s.url, nc.url, name, [p.text(p.ids(seed + 5000 + i, prompt_tokens))
+                                            for i in range(warmups)], 4)
         miss, miss_nc = paired_misses(s.url, nc.url, name, prompts, max_tokens)
         both = (s.url, nc.url)
         mem = [one_prompt(s.url, name, q, max_tokens, PHALANX_EXTRA, both)
@@ -540,6 +547,8 @@ def _shape(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
 @click.option("--pairs", default=8, show_default=True,
               help="cold misses for miss_overhead: this many prompts, each on the cache-"
                    "enabled and the disk-off server in turn (ABBA order)")
+@click.option("--warmups", default=8, show_default=True,
+              help="untimed misses on each phalanx server before the pairs")
 @click.option("--max-tokens", default=64, show_default=True, help="output tokens per request")
 @click.option("--clients", default=16, show_default=True)
 @click.option("--system-prompts", "systems", default=4, show_default=True)
@@ -557,7 +566,7 @@ def _shape(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
               help="tiny sizes (a smoke test): 256-token prompt, 4 clients, 8 tokens")
 @click.option("--json", "as_json", is_flag=True)
 def command(model_dir: str | None, tp: int, prompt_tokens: int, reps: int, pairs: int,
-            max_tokens: int,
+            warmups: int, max_tokens: int,
             clients: int,
             systems: int, system_tokens: int, transformers_mode: str, no_transformers: bool,
             settle_s: float, logs: str | None, seed: int, quick: bool, as_json: bool) -> None:
@@ -565,17 +574,18 @@ def command(model_dir: str | None, tp: int, prompt_tokens: int, reps: int, pairs
     restart), ITL and throughput of concurrent clients with shared system prompts."""
     if quick:
         prompt_tokens, max_tokens, clients, systems, system_tokens = 256, 8, 4, 2, 64
-        reps, pairs = 1, 2
+        reps, pairs, warmups = 1, 2, 0
     model = Path(model_dir) if model_dir else default_model_dir()
     SETTLE_S[0] = 0.0 if quick else settle_s
     with tempfile.TemporaryDirectory(prefix="phx-bench-serve-logs-") as tmp_logs:
         where = Path(logs) if logs else Path(tmp_logs)
         where.mkdir(parents=True, exist_ok=True)
-        raw = run(model, tp, prompt_tokens, reps, pairs, max_tokens, clients, systems,
+        raw = run(model, tp, prompt_tokens, reps, pairs, warmups, max_tokens, clients, systems,
                   system_tokens, seed, transformers_mode, not no_transformers, where)
     result = _shape(raw, prompt_tokens)
     result["setup"] = {"model": str(model), "tp": tp, "prompt_tokens": prompt_tokens,
-                       "reps": reps, "pairs": pairs, "settle_s": SETTLE_S[0],
+                       "reps": reps, "pairs": pairs, "warmups": warmups,
+                       "settle_s": SETTLE_S[0],
                        "max_tokens": max_tokens, "clients": clients,
                        "system_prompts": systems, "system_tokens": system_tokens,
                        "cores": len(os.sched_getaffinity(0)),
