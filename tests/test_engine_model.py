@@ -236,3 +236,49 @@ def test_a_config_that_does_not_fit_the_tensors_is_refused(checkpoints: dict[str
     (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"gate_proj\.weight has shape \[128, 64\]"):
         Runner(tmp_path / "m", num_pages=2, page_tokens=PAGE_TOKENS, threads=1)
+
+
+def test_kept_decode_gathers_give_the_fresh_gathers_logprobs(
+        checkpoints: dict[str, Path]) -> None:
+    """Decode rows that keep their gathered K/V from step to step (the same rows on the
+    same pages: only the new position is written) give bit for bit what gathering
+    afresh every step gives, through page growth, a row leaving and a new sequence
+    joining on the freed pages."""
+    path = checkpoints["llama-untied-gqa"]
+    kept = Runner(path, num_pages=16, page_tokens=PAGE_TOKENS, threads=1)
+    fresh = Runner(path, num_pages=16, page_tokens=PAGE_TOKENS, threads=1,
+                   decode_gather_bytes=0)
+    spec = SamplingSpec(logprobs=3)
+    a, b, c = PROMPT, PROMPT[:20][::-1], PROMPT[4:30]
+    tables = {1: [0, 1, 2, 3, 4], 2: [5, 6, 7, 8], 3: [0, 1, 2, 3, 4]}   # 3 reuses 1's pages
+    lengths: dict[int, int] = {}
+    last: dict[int, int] = {}
+    step = 0
+
+    def run(chunks: list[SeqChunk]) -> None:
+        nonlocal step
+        plan = StepPlan(step, chunks)
+        step += 1
+        got, want = kept.execute(plan), fresh.execute(plan)
+        assert got.tokens == want.tokens and got.logprobs == want.logprobs, plan.step
+        for ch in chunks:
+            lengths[ch.seq_id] = ch.start_pos + len(ch.tokens)
+            last[ch.seq_id] = got.tokens[ch.seq_id]
+
+    def decode(seq: int) -> SeqChunk:
+        n = lengths[seq]
+        return SeqChunk(seq, [last[seq]], n, tables[seq][: n // PAGE_TOKENS + 1], True, spec)
+
+    def prefill(seq: int, prompt: list[int]) -> SeqChunk:
+        return SeqChunk(seq, prompt, 0, tables[seq][: -(-len(prompt) // PAGE_TOKENS)],
+                        True, spec)
+
+    run([prefill(1, a), prefill(2, b)])
+    for _ in range(30):                      # 1 crosses into its 4th and 5th page, 2 its 3rd
+        run([decode(1), decode(2)])
+    reused = kept.decode_gather.steps_reused
+    assert reused > 20 and fresh.decode_gather.steps_reused == 0
+    run([decode(2), prefill(3, c)])           # 1 has left; 3 prefills on its pages
+    for _ in range(12):
+        run([decode(3), decode(2)])
+    assert kept.decode_gather.steps_reused > reused + 8

@@ -11,6 +11,12 @@ from its pages. Decode chunks (one query token each) are batched into one SDPA c
 their pages padded to the longest context, masked per row; prefill chunks run one SDPA
 each (causal, offset by ``start_pos``). :class:`AttnMeta` is built once per step and
 shared by every layer.
+
+A :class:`DecodeGather` keeps the decode rows' gathered K/V from step to step: while a
+step's decode rows have exactly the previous step's pages (the same sequences, no page
+added), each layer writes only the one new position per row into its kept gather instead
+of copying every row's whole context again. The copy was a third of a batch-16 decode
+step of the 8x512 model (0.9 of 2.8 ms a layer on one thread).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch.nn.functional as F
 
 from ._errors import EngineError
 
-__all__ = ["AttnMeta", "ChunkMeta", "build_meta", "paged_attention"]
+__all__ = ["AttnMeta", "ChunkMeta", "DecodeGather", "build_meta", "paged_attention"]
 
 
 @dataclass
@@ -55,6 +61,8 @@ class AttnMeta:
     decode_pages: torch.Tensor | None = None   # [B, max_pages] (padded with page 0)
     decode_mask: torch.Tensor | None = None    # [B, 1, 1, max_pages * page_tokens] additive
     decode_kv_index: torch.Tensor | None = None  # [B * 2 * max_pages] (see _kv_rows)
+    decode_pos: torch.Tensor | None = None     # [B] position of each decode row's new token
+    decode_gather: DecodeGather | None = None  # kept gathers (see DecodeGather.begin)
 
     def to(self, device: torch.device | str) -> None:
         """Move every tensor to ``device`` (in place)."""
@@ -63,7 +71,7 @@ class AttnMeta:
             m.mask = None if m.mask is None else m.mask.to(device)
             m.kv_index = None if m.kv_index is None else m.kv_index.to(device)
         for name in ("write_pages", "write_slots", "decode_pages", "decode_rows",
-                     "decode_mask", "decode_kv_index"):
+                     "decode_mask", "decode_kv_index", "decode_pos"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
@@ -111,6 +119,7 @@ def build_meta(chunks: list[tuple[int, int, list[int]]], page_tokens: int,
             padded[i, :len(m.block_table)] = m.block_table
         meta.decode_pages = padded
         meta.decode_rows = torch.tensor([m.q_start for m in decode], dtype=torch.long)
+        meta.decode_pos = torch.tensor([m.start_pos for m in decode], dtype=torch.long)
         lens = torch.tensor([m.context for m in decode]).view(-1, 1, 1, 1)
         meta.decode_mask = _additive(
             torch.arange(width * page_tokens).view(1, 1, 1, -1) < lens, dtype)
@@ -118,6 +127,59 @@ def build_meta(chunks: list[tuple[int, int, list[int]]], page_tokens: int,
     if torch.device(device).type != "cpu":
         meta.to(device)
     return meta
+
+
+class DecodeGather:
+    """The decode rows' K/V, gathered contiguous per layer, kept across steps.
+
+    :meth:`begin` (once per step, before the layers) keeps the gathers when this step's
+    padded decode page table equals the previous step's, else drops them. Equal tables
+    mean the same live sequences in the same rows: a page is written only by the one
+    sequence whose table ends in it, and a sequence that joins or resumes has a step of
+    prefill first, in which the decode rows differ. A step that copies or loads pages
+    (:meth:`drop`), or has no decode rows, drops them too. Gathers are kept only while
+    every layer's fits in ``budget`` bytes together; above it each step gathers afresh,
+    as before.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._pages: torch.Tensor | None = None
+        self._layers: dict[int, torch.Tensor] = {}
+        self.reuse = False
+        self.keep = False
+        self.steps_reused = 0   # steps whose decode rows wrote into kept gathers
+
+    def begin(self, meta: AttnMeta, layers: int) -> None:
+        pages = meta.decode_pages
+        meta.decode_gather = self
+        if pages is None:
+            self.drop()
+            return
+        prev = self._pages
+        self.reuse = (prev is not None and prev.shape == pages.shape
+                      and bool(torch.equal(prev, pages)) and len(self._layers) == layers)
+        if self.reuse:
+            self.steps_reused += 1
+        else:
+            self.drop()
+            self._pages = pages
+
+    def sized(self, one_layer: torch.Tensor, layers: int) -> None:
+        """Keep gathers like ``one_layer`` for ``layers`` layers if they fit the budget."""
+        self.keep = one_layer.numel() * one_layer.element_size() * layers <= self.budget
+
+    def drop(self) -> None:
+        self._pages = None
+        self._layers.clear()
+        self.reuse = self.keep = False
+
+    def get(self, layer: int) -> torch.Tensor | None:
+        return self._layers.get(layer) if self.reuse else None
+
+    def put(self, layer: int, gathered: torch.Tensor) -> None:
+        if self.keep:
+            self._layers[layer] = gathered
 
 
 def _additive(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -135,9 +197,11 @@ def _kv_rows(pages: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                    meta: AttnMeta, scale: float) -> torch.Tensor:
-    """Write ``k``/``v`` [T, kv_heads, d] into ``kv``'s pages, attend ``q`` [T, heads, d]
-    causally over each chunk's context; returns [T, heads, d]."""
+                    meta: AttnMeta, scale: float, layer: int = 0, layers: int = 1
+                    ) -> torch.Tensor:
+    """Write ``k``/``v`` [T, kv_heads, d] into ``kv``'s pages (layer ``layer`` of
+    ``layers``), attend ``q`` [T, heads, d] causally over each chunk's context; returns
+    [T, heads, d]."""
     kv[meta.write_pages, 0, meta.write_slots] = k
     kv[meta.write_pages, 1, meta.write_slots] = v
     out = torch.empty_like(q)
@@ -158,11 +222,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
     if meta.decode_pages is not None:
         b = meta.decode_pages.shape[0]
         assert meta.decode_kv_index is not None  # set with decode_pages
-        g = rows_of.index_select(0, meta.decode_kv_index).view(b, 2, -1, kv_heads, d)
-        keys = g[:, 0].transpose(1, 2)                    # [B, kvh, w * pt, d]
-        vals = g[:, 1].transpose(1, 2)
         rows = meta.decode_rows
-        assert rows is not None  # set with decode_pages
+        assert rows is not None and meta.decode_pos is not None  # set with decode_pages
+        kept = meta.decode_gather
+        gathered = kept.get(layer) if kept is not None else None
+        if gathered is None:
+            gathered = rows_of.index_select(0, meta.decode_kv_index).view(b, 2, -1,
+                                                                          kv_heads, d)
+            if kept is not None:
+                if layer == 0:
+                    kept.sized(gathered, layers)
+                kept.put(layer, gathered)
+        else:
+            # the same rows on the same pages as the last step: only the new position
+            each = torch.arange(b, device=gathered.device)
+            gathered[each, 0, meta.decode_pos] = k[rows]
+            gathered[each, 1, meta.decode_pos] = v[rows]
+        keys = gathered[:, 0].transpose(1, 2)             # [B, kvh, w * pt, d]
+        vals = gathered[:, 1].transpose(1, 2)
         qd = q[rows].view(b, heads, 1, d)
         o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=meta.decode_mask,
                                            scale=scale, enable_gqa=heads != kv_heads)

@@ -69,8 +69,9 @@ class Shard:
 
 class Attention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, sh: Shard, prefix: str, comm: TPComm,
-                 rotary: Rotary, dtype: torch.dtype) -> None:
+                 rotary: Rotary, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
+        self.layer, self.layers = layer, cfg.num_layers
         d = cfg.head_dim
         self.heads, self.kv_heads, self.d = sh.heads, sh.kv_heads, d
         q0 = sh.rank * sh.heads * d
@@ -96,7 +97,7 @@ class Attention(torch.nn.Module):
         k = qkv[:, nq:nq + nk].view(t, self.kv_heads, self.d)
         v = qkv[:, nq + nk:].view(t, self.kv_heads, self.d)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv, meta, self.scale)
+        o = paged_attention(q, k, v, kv, meta, self.scale, self.layer, self.layers)
         return self.o_proj(o.reshape(t, nq))  # type: ignore[no-any-return]
 
 
@@ -125,7 +126,7 @@ class DecoderLayer(torch.nn.Module):
         p = f"model.layers.{i}"
         eps, h = cfg.rms_norm_eps, cfg.hidden_size
         self.input_layernorm = RMSNorm(f"{p}.input_layernorm", h, eps, dtype)
-        self.self_attn = Attention(cfg, sh, f"{p}.self_attn", comm, rotary, dtype)
+        self.self_attn = Attention(cfg, sh, f"{p}.self_attn", comm, rotary, dtype, i)
         self.post_attention_layernorm = RMSNorm(f"{p}.post_attention_layernorm", h, eps, dtype)
         self.mlp = MLP(cfg, sh, f"{p}.mlp", comm, dtype)
 

@@ -26,7 +26,7 @@ import torch
 
 from ..lifecycle import PhalanxError
 from ._errors import EngineError
-from .attention import build_meta
+from .attention import DecodeGather, build_meta
 from .config import ModelConfig, load_config
 from .model import CausalLM
 from .plan import SamplingSpec, StepPlan, StepResult, TokenLogprobs
@@ -41,6 +41,9 @@ _SERVICE = "engine.runner/{}"
 # bytes of each rank's load report in the agreement's all-gather (zeros: loaded); a
 # longer reason is cut, the parent logs what arrives
 _REPORT_BYTES = 512
+# what the decode rows' K/V gathers kept from step to step may hold, all layers together
+# (attention.DecodeGather); a larger batch or context gathers afresh each step
+DECODE_GATHER_BYTES = 64 << 20
 
 
 class PageTier(Protocol):
@@ -64,7 +67,8 @@ class Runner:
                  num_pages: int, page_tokens: int = 64, dtype: str | None = None,
                  max_model_len: int | None = None, vocab_parallel: bool = False,
                  tier: PageTier | None = None, disk_tier: bool = False,
-                 threads: int | None = None, device: str = "cpu") -> None:
+                 threads: int | None = None, device: str = "cpu",
+                 decode_gather_bytes: int = DECODE_GATHER_BYTES) -> None:
         self.comm: TPComm = comm or SoloComm()
         # "cuda:N" runs the shard on that GPU (with TorchDistComm over NCCL for TP);
         # written for it, tested here on CPU only
@@ -93,6 +97,8 @@ class Runner:
             tier = rank_staging(self.geometry())
         self.tier = tier
         self._load_buf: torch.Tensor | None = None  # see _load_buffer
+        # the decode rows' K/V kept gathered between steps (attention.DecodeGather)
+        self.decode_gather = DecodeGather(decode_gather_bytes)
         self.closed = False
 
     # -- what this rank holds ---------------------------------------------------------
@@ -125,6 +131,7 @@ class Runner:
     def write_pages(self, page_ids: Sequence[int], data: torch.Tensor) -> None:
         """Set ``page_ids`` from ``data`` uint8 [n, page_bytes] (the disk tier's bytes)."""
         self._check_pages(page_ids)
+        self.decode_gather.drop()
         idx = torch.tensor(list(page_ids), dtype=torch.long, device=self.device)
         n = len(page_ids)
         data = data.to(self.device)
@@ -199,6 +206,8 @@ class Runner:
         each failed rank's reason (the same on every rank: see _agree)."""
         if self.closed:
             raise EngineError(f"rank {self.comm.rank}: the runner was closed")
+        if plan.copies:
+            self.decode_gather.drop()
         for src, dst in plan.copies:
             self._check_pages([src, dst])
             for layer in self.kv:
@@ -266,10 +275,16 @@ class Runner:
             raise EngineError(f"step {plan.step}: position {max(pos)} is beyond max_model_len "
                               f"{self.cfg.max_model_len}")
         meta = build_meta(spans, self.page_tokens, self.device, self.kv[0].dtype)
+        self.decode_gather.begin(meta, len(self.kv))
         dev = self.device
-        with self._collectives():
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                                torch.tensor(pos, dtype=torch.long, device=dev), meta, self.kv)
+        try:
+            with self._collectives():
+                hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                                    torch.tensor(pos, dtype=torch.long, device=dev), meta,
+                                    self.kv)
+        except BaseException:
+            self.decode_gather.drop()  # some layers may have written their new positions
+            raise
         if sample_only:
             hidden = (hidden[torch.tensor(rows, dtype=torch.long, device=dev)] if rows
                       else hidden[:0])
@@ -287,6 +302,7 @@ class Runner:
         self.closed = True
         self.kv = []
         self._load_buf = None
+        self.decode_gather.drop()
         close = getattr(self.comm, "close", None)
         if close is not None:
             close()
