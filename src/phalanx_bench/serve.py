@@ -96,6 +96,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (zombies do not count: an
+    orphan's parent may reap it late)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after ')'
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 class ServerProc:
     """One server process in its own session (so a last-resort SIGKILL reaches its whole
     group), its output in a log file; ``stop`` signals, waits, kills and reaps."""
@@ -140,14 +154,23 @@ class ServerProc:
         raise BenchError(f"{self.name} not healthy within {timeout:g}s:\n{self.tail()}")
 
     def stop(self) -> int | None:
-        """SIGTERM, then SIGKILL of the process group past the deadline; always reaped."""
+        """SIGTERM, then SIGKILL of the process group past the deadline; always reaped.
+
+        The group gets the deadline to empty on its own after the server exits: a
+        helper may still be cleaning up after it. ``transformers serve``'s
+        multiprocessing resource tracker ignores SIGTERM and unlinks the server's
+        semaphores once the server is gone; killed at once, it left seven
+        ``/dev/shm/sem.mp-*`` behind in one suite run of three."""
         try:
+            deadline = time.monotonic() + STOP_TIMEOUT_S
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
                 try:
                     self.proc.wait(STOP_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
                     pass
+            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
             # whatever of its group is left (ranks, workers) goes with it
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
