@@ -36,12 +36,9 @@ Every timed phase of phalanx (each single-prompt request, b1, b16) starts once t
 previous requests' background disk writes are done (``LLM.drain_disk_stores``: the pages
 a prefill filled are stored once the ranks are quiet), so it does not pay for them; on
 transformers' side there is nothing to wait for. Then ``--settle-s`` of idle, on both
-sides alike (default 0). Idle is not free on this VM: memory a process has not touched
-for a second costs up to ~3 us a 4 KiB page to touch again (a 16 MiB tensor's sum takes
-8-21 ms after 1 s of sleep, 0.7-1.4 ms right after; no guest page fault is counted, so
-it is below the guest kernel), and a 1-token request to an idle ``LLM`` took 12 ms after
-0.3 s of idle instead of 4 back to back. That is a fixed cost per request that weighs
-on a 20 ms hit and not on a 200 ms miss; ``--settle-s 1`` shows it.
+sides alike (default 0: idle is not free on this VM, a fixed 10-14 ms on the next
+request; docs/design.md, "Before a timed request, a condition"). ``--settle-s 1`` shows
+it.
 
 The JSON's top level is the default model in the issue's shape; ``models`` holds both
 models in that shape, ``ratios`` the goals' ratios and ``goals`` whether each is met.

@@ -10,11 +10,9 @@ deadline) and reaped in a ``finally``, whatever fails:
 1. Two phalanx servers at once, one with its disk tier on a fresh directory (cache
    enabled, cold), one with ``--no-prefix-cache-disk`` (serve has no switch for the
    memory tier, which is always on); a short request and ``--warmups`` untimed misses
-   of ``--prompt-tokens`` warm each (a fresh rank's heap grows over its first requests:
-   the last chunk of a 2,048-token miss faulted 500-2,900 pages in each of the first
-   three to five misses and mostly none after fifteen, more on the disk-enabled ranks,
-   whose store path allocates between the steps; vLLM's client has ``--num-warmups``
-   for the same). (a) ``--pairs``
+   of ``--prompt-tokens`` warm each (a fresh rank's heap grows over its first misses,
+   more with the disk tier on; docs/design.md says by how much; vLLM's client has
+   ``--num-warmups`` for the same). (a) ``--pairs``
    completion prompts of ``--prompt-tokens`` each, every prompt cold on both servers
    back to back, in ABBA order: ``miss`` and the disk-off miss; ``miss_overhead`` =
    the median of the per-prompt ratios cache-enabled / disk-off TTFT, minus 1 (two
@@ -157,10 +155,11 @@ class ServerProc:
         """SIGTERM, then SIGKILL of the process group past the deadline; always reaped.
 
         The group gets the deadline to empty on its own after the server exits: a
-        helper may still be cleaning up after it. ``transformers serve``'s
-        multiprocessing resource tracker ignores SIGTERM and unlinks the server's
-        semaphores once the server is gone; killed at once, it left seven
-        ``/dev/shm/sem.mp-*`` behind in one suite run of three."""
+        helper may still be cleaning up after it (a multiprocessing resource tracker
+        ignores SIGTERM and unlinks its parent's semaphores once the parent is gone).
+        With the group killed at once, one suite run of three found seven
+        ``/dev/shm/sem.mp-*`` left during the serve benchmark's test; not reproduced
+        since, so this is the likely cause, not a proven one."""
         try:
             deadline = time.monotonic() + STOP_TIMEOUT_S
             if self.proc.poll() is None:
