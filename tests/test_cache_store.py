@@ -16,6 +16,7 @@ from phalanx.kvstore import (
     DiskStore,
     Geometry,
     NotCachedError,
+    PageScatter,
     RecordCorruptError,
     RowSpanError,
     StoreOptions,
@@ -142,6 +143,52 @@ def test_load_many_matches_single_loads_and_is_all_or_nothing(tmp_path: Path, st
     got = s.load_many([(t, n) for t, n in retry if n])
     assert [bytes(g) for g in got] == [page_row(t[: n * PT]) for t, n in retry if n]
     assert s.statistics().corrupt_loads == 1 and s.check() == []
+
+
+def _scatter(pages: int, parts: int, seed: int) -> tuple[PageScatter, list[list[memoryview]]]:
+    """A PageScatter whose buffers lie in one arena in a shuffled order, so a part read
+    into the wrong buffer shows."""
+    size = PB // parts
+    arena = bytearray(pages * PB)
+    order = np.random.default_rng(seed).permutation(pages * parts)
+    slots = [memoryview(arena)[j * size:(j + 1) * size] for j in order]
+    return PageScatter(slots, parts), [slots[i * parts:(i + 1) * parts] for i in range(pages)]
+
+
+def test_load_many_scatters_each_page_into_its_buffers(tmp_path: Path, stores: Stores) -> None:
+    s = stores.open(tmp_path, clock=Clock())
+    built = build_tree(s, 30, branchy=True, full_rows=True, seed=7, max_new_pages=3)
+    reqs = [(t, len(t) // PT) for t in built.tokens[:12]]
+
+    def scattered() -> None:
+        dsts = [_scatter(n, 4, i) for i, (_, n) in enumerate(reqs)]
+        got = s.load_many([(t, n, d) for (t, n), (d, _) in zip(reqs, dsts, strict=True)])
+        assert all(g is d for g, (d, _) in zip(got, dsts, strict=True))
+        for (t, n), (_, pages) in zip(reqs, dsts, strict=True):
+            assert b"".join(b"".join(p) for p in pages) == page_row(t[: n * PT])
+
+    scattered()   # written here: verified, descriptors held (one preadv a piece)
+    s.close()
+    s = stores.open(tmp_path, clock=Clock())
+    scattered()   # after a reopen: opened, read and checked page by page over the parts
+    with pytest.raises(RowSpanError, match="PageScatter of"):
+        s.load_many([(reqs[0][0], reqs[0][1], _scatter(reqs[0][1] + 1, 4, 0)[0])])
+    with pytest.raises(RowSpanError, match="pass a PageScatter to load_many"):
+        s.load(reqs[0][0], reqs[0][1], out=_scatter(reqs[0][1], 4, 0)[0])
+    with pytest.raises(RowSpanError, match="same size"):
+        PageScatter([bytearray(8), bytearray(4)], 1)
+    # a page whose bytes changed on disk fails its checksum through the parts too
+    t0, n0 = reqs[0]
+    victim = s.chain(t0).keys[n0 - 1].hex() + ".kv"   # the record ending at its last page
+    s.close()
+    assert victim in record_files(tmp_path)
+    raw = bytearray((tmp_path / victim).read_bytes())
+    raw[-1] ^= 0xFF   # in that page's bytes
+    (tmp_path / victim).write_bytes(raw)
+    s = stores.open(tmp_path, clock=Clock())
+    with pytest.raises(RecordCorruptError, match=victim.removesuffix(".kv")):
+        s.load_many([(t, n, _scatter(n, 2, i)[0]) for i, (t, n) in enumerate(reqs)])
+    assert s.statistics().corrupt_loads == 1
 
 
 def test_torch_tensor_rows(tmp_path: Path, stores: Stores) -> None:

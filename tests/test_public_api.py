@@ -59,7 +59,8 @@ PUBLIC: dict[str, list[str]] = {
     "phalanx.kvstore": [
         "CacheError", "CacheStats", "CapacityError", "DiskFullError", "DiskStore",
         "ForeignStoreError", "Geometry", "GeometryMismatchError", "Job", "JobKind",
-        "JobOutcome", "KeyChain", "LoadTimeoutError", "NotCachedError", "RecordCorruptError",
+        "JobOutcome", "KeyChain", "LoadTimeoutError", "NotCachedError", "PageScatter",
+        "RecordCorruptError",
         "RowSpanError", "SEAL_NAME", "SNAPSHOT_NAME", "StoreClosedError", "StoreLockedError",
         "StoreOptions", "StoreResult", "StoreWriteError", "Tokens", "aligned_empty",
         "fingerprint_digest", "page_keys",

@@ -33,7 +33,7 @@ from .plan import SamplingSpec, StepPlan, StepResult, TokenLogprobs
 from .tp import SoloComm, TPComm, intra_op_threads
 
 if TYPE_CHECKING:
-    from phalanx.kvstore import Geometry
+    from phalanx.kvstore import Geometry, PageScatter
 
 __all__ = ["PageTier", "Runner", "close_runner", "get_runner", "open_runner"]
 
@@ -49,8 +49,10 @@ DECODE_GATHER_BYTES = 64 << 20
 class PageTier(Protocol):
     """The disk tier as a runner sees it (rank-local; rank 0 decided what it holds)."""
 
-    def load(self, keys: list[bytes], out: torch.Tensor) -> None:
-        """Fill ``out`` [len(keys), page_bytes] (uint8) with the pages of ``keys``."""
+    def load(self, keys: list[bytes], out: torch.Tensor | PageScatter) -> None:
+        """Fill ``out`` with the pages of ``keys``: a uint8 tensor [len(keys),
+        page_bytes], or the pages' own memory in the pool, each page's layers in order
+        (a :class:`~phalanx.kvstore.PageScatter` of ``layers`` parts a page)."""
 
     def save(self, keys: list[bytes], data: torch.Tensor) -> None:
         """Stage ``data`` [len(keys), page_bytes] for storing in the background (copy it)."""
@@ -90,6 +92,10 @@ class Runner:
         self.page_tokens = page_tokens
         self.kv: list[torch.Tensor] = self.model.allocate_kv(num_pages, page_tokens,
                                                              self.device)
+        # each layer's pool as flat bytes, for disk loads straight into the pages (host
+        # memory only: a device's pages are loaded through a host buffer)
+        self._kv_bytes = ([layer.view(-1).view(torch.uint8).numpy().data
+                           for layer in self.kv] if self.device.type == "cpu" else [])
         if disk_tier and tier is None:
             # the rank's staging, shared with the replicated cache's KV source
             from .staging import rank_staging
@@ -141,6 +147,16 @@ class Runner:
             # copy, straight into the pages
             part = data[:, i * per:(i + 1) * per].view(layer.dtype)
             layer[idx] = part.view(n, *layer.shape[1:])
+
+    def _page_scatter(self, page_ids: Sequence[int]) -> PageScatter:
+        """``page_ids``' own memory in the pool, each page's layers in order: the disk
+        tier's bytes for this rank land there with no copy (docs/design.md, "Disk loads
+        straight into the KV pages")."""
+        from phalanx.kvstore import PageScatter
+
+        size = self.kv[0][0].numel() * self.kv[0].element_size()
+        return PageScatter([flat[p * size:(p + 1) * size] for p in page_ids
+                            for flat in self._kv_bytes], len(self._kv_bytes))
 
     def _load_buffer(self, n: int) -> torch.Tensor:
         """uint8 [n, page_bytes] for a disk load, reused from step to step (grown when
@@ -219,17 +235,23 @@ class Runner:
                               f"{len(plan.loads[0].keys)} pages but this runner has no "
                               "disk tier")
         why = ""
+        self.decode_gather.drop()
         for load in plan.loads:
             self._check_pages(load.page_ids)
-            buf = self._load_buffer(len(load.keys))
+            # on the host the pages themselves are the destination; a failed load
+            # leaves them half written, but they were allocated for this load and are
+            # computed again (the scheduler's recompute), never read as they are
+            out = (self._page_scatter(load.page_ids) if self._kv_bytes
+                   else self._load_buffer(len(load.keys)))
             try:
-                self.tier.load(list(load.keys), buf)
+                self.tier.load(list(load.keys), out)
             except (PhalanxError, OSError) as exc:
                 # a record missing, corrupt or unreadable on this rank: a miss, decided
-                # with the other ranks below (the pages this rank has are not written)
+                # with the other ranks below
                 why = f"{type(exc).__name__}: {exc}"
                 break
-            self.write_pages(load.page_ids, buf)
+            if isinstance(out, torch.Tensor):
+                self.write_pages(load.page_ids, out)
         return self._agree(why)
 
     def _agree(self, why: str) -> dict[int, str]:
@@ -301,6 +323,7 @@ class Runner:
         after this the TP domain can be released."""
         self.closed = True
         self.kv = []
+        self._kv_bytes = []
         self._load_buf = None
         self.decode_gather.drop()
         close = getattr(self.comm, "close", None)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..kvstore import aligned_empty
+from ..kvstore import PageScatter, aligned_empty
 from ..lifecycle import PhalanxError
 from ._errors import EngineError
 
@@ -129,12 +129,11 @@ class PageStaging:
         self._direct = {tuple(d.keys[d.start:]): d for d in disk.loads}
         self._disk = disk
 
-    def load(self, keys: list[bytes], out: torch.Tensor) -> None:
+    def load(self, keys: list[bytes], out: torch.Tensor | PageScatter) -> None:
         direct = self._direct.pop(tuple(keys), None)
         if direct is not None:
             self._load_direct(direct, out)
             return
-        dst = out.numpy()
         with self._lock:
             missing = [k.hex() for k in keys if k not in self._loaded]
             if missing:
@@ -143,9 +142,15 @@ class PageStaging:
                     f"were not delivered by the disk tier (first {missing[0]}); the cache's "
                     f"load must run before the step")
             for i, key in enumerate(keys):
-                dst[i] = np.frombuffer(self._loaded.pop(key), dtype=np.uint8)
+                page = memoryview(self._loaded.pop(key))
+                if isinstance(out, PageScatter):
+                    size = out.part_bytes
+                    for j, part in enumerate(out.page(i)):
+                        part[:] = page[j * size:(j + 1) * size]
+                else:
+                    out.numpy()[i] = np.frombuffer(page, dtype=np.uint8)
 
-    def _load_direct(self, d: DiskLoad, out: torch.Tensor) -> None:
+    def _load_direct(self, d: DiskLoad, out: torch.Tensor | PageScatter) -> None:
         from phalanx.kvstore import KeyChain
         from phalanx.replication import rank_cache
 
@@ -155,8 +160,13 @@ class PageStaging:
         chain = KeyChain(list(d.keys), disk.page_tokens, disk.fingerprint)
         n = len(d.keys)
         # the store reads a prefix from its first page: pages already in memory (before
-        # ``start``) are read into a scratch buffer and dropped
-        dst = out.numpy() if d.start == 0 else aligned_empty(n * self.page_bytes)
+        # ``start``) are read into scratch and dropped
+        dst: Any
+        if isinstance(out, PageScatter):
+            dst = out if d.start == 0 else _behind(aligned_empty(d.start * self.page_bytes),
+                                                   out)
+        else:
+            dst = out.numpy() if d.start == 0 else aligned_empty(n * self.page_bytes)
         cache = rank_cache(disk.cache_id)
         try:
             cache.load_many([(chain, n, dst)], d.lease)
@@ -169,7 +179,7 @@ class PageStaging:
                 f"rank {self.rank}: disk tier load of pages {d.start}..{n} of prefix "
                 f"{d.keys[-1].hex()} from {cache.store.directory} failed, {why}: "
                 f"{exc}") from exc
-        if d.start:
+        if d.start and not isinstance(out, PageScatter):
             out.numpy()[:] = np.frombuffer(dst, dtype=np.uint8)[
                 d.start * self.page_bytes:].reshape(n - d.start, self.page_bytes)
         self.delivered += n - d.start
@@ -219,6 +229,15 @@ class PageStaging:
             self._staged.clear()
             self._read.clear()
             self._loaded.clear()
+
+
+def _behind(scratch: np.ndarray, pages: PageScatter) -> PageScatter:
+    """``pages`` after scratch pages (cut into ``pages``' parts) for the prefix before
+    them."""
+    size = pages.part_bytes
+    flat = scratch.data.cast("B")
+    return PageScatter([flat[i:i + size] for i in range(0, len(flat), size)] + pages.views,
+                       pages.parts)
 
 
 def _errno_of(exc: BaseException) -> int | None:

@@ -27,6 +27,7 @@ from .geometry import Geometry
 from .keys import KeyChain, Tokens, fingerprint_digest, page_keys
 from .maintenance import Job, JobKind, JobOutcome
 from .options import StoreOptions
+from .scatter import PageScatter
 from .snapshot import SEAL_NAME, SNAPSHOT_NAME
 from .stats import CacheStats
 from .store import DiskStore, StoreResult
@@ -48,6 +49,7 @@ __all__ = [
     "KeyChain",
     "LoadTimeoutError",
     "NotCachedError",
+    "PageScatter",
     "RecordCorruptError",
     "RowSpanError",
     "StoreClosedError",

@@ -26,13 +26,14 @@ import numpy as np
 
 from phalanx.lifecycle.failpoints import Failpoint
 
-from ._errors import NotCachedError, RecordCorruptError
+from ._errors import NotCachedError, RecordCorruptError, RowSpanError
 from .buffers import aligned_empty, as_out_view
 from .core import StoreCore
 from .index import Record
 from .keys import KeyChain, Tokens
-from .record import page_digest, record_name
+from .record import page_digest, page_digest_parts, record_name
 from .recovery import read_header_at
+from .scatter import IOV_MAX, PageScatter, preadv_full
 from .uring import RING_MAX_PIECE
 
 __all__ = ["LoadRequest", "Reader"]
@@ -41,10 +42,12 @@ log = logging.getLogger("phalanx.kvstore")
 
 _FP_LOAD_PINNED = Failpoint("cache.load.pinned", "load planned, records pinned, not yet read")
 
-# (tokens or key chain, pages) or (tokens or key chain, pages, out buffer)
+# (tokens or key chain, pages) or (tokens or key chain, pages, out buffer or PageScatter)
 LoadRequest = tuple[Tokens | KeyChain, int] | tuple[Tokens | KeyChain, int, Any]
+# where a load's bytes go: one flat buffer, or the caller's buffers for each page
+Destination = memoryview | PageScatter
 _Piece = tuple[Record, int, int]
-_Read = tuple[Record, int, int, memoryview]  # a piece and the part of dst it fills
+_Read = tuple[Record, int, int, Destination]  # a piece and the part of dst it fills
 _RUN_PIECES = 16  # at most this many pieces per load_many task
 _RUN_BYTES = 1 << 20  # and about this many bytes
 # a read of the page cache or a local disk takes milliseconds: a batch still reading
@@ -65,33 +68,38 @@ class Reader:
         copy. Pass ``out`` (a writable buffer of n_pages * page_bytes) to read into
         memory you own (pinned, preallocated); start it at least 64-byte aligned (torch
         allocations are; numpy's 16-byte ones halve the kernel's copy speed here).
+        (``load_many`` also reads into a :class:`PageScatter`.)
         Raises NotCachedError or RecordCorruptError (that record is never served
         again). A large row is read in parallel parts (``io_threads``).
         """
+        if isinstance(out, PageScatter):
+            raise RowSpanError("load() reads into one buffer; pass a PageScatter to load_many")
         dst, pieces = self._plan([(tokens, n_pages, out)])[0]
+        assert isinstance(dst, memoryview)  # only load_many's may be a PageScatter
         pb = self._core.geometry.page_bytes
         try:
             _FP_LOAD_PINNED.hit()
             for rec, first, stop in pieces:
-                self._read_piece(rec, first, stop, dst[first * pb : stop * pb], split=True)
+                self._read_piece(rec, first, stop, _span(dst, first, stop, pb), split=True)
         finally:
             self._unpin([(dst, pieces)])
         return dst
 
-    def load_many(self, requests: Sequence[LoadRequest]) -> list[memoryview]:
+    def load_many(self, requests: Sequence[LoadRequest]) -> list[Destination]:
         """``load`` of a batch of prefixes (a server's batch of requests), their pieces
         read at once on the store's reader threads and the caller's (``io_threads``
-        in all). Each request is ``(tokens, n_pages)`` or ``(tokens, n_pages, out)``;
-        returns the views in request order. All or nothing: NotCachedError before
-        anything is read; RecordCorruptError after every other read finished (the bad
-        record is dropped: a retry after ``lookup`` loads the rest); TimeoutError when
-        io_uring reads have not finished in two minutes (a failing disk or a hung
-        network filesystem; the rest were cancelled)."""
+        in all). Each request is ``(tokens, n_pages)`` or ``(tokens, n_pages, out)``,
+        ``out`` a buffer or a :class:`PageScatter` of the buffers each page goes to;
+        returns the views (or the scatters) in request order. All or nothing:
+        NotCachedError before anything is read; RecordCorruptError after every other
+        read finished (the bad record is dropped: a retry after ``lookup`` loads the
+        rest); TimeoutError when io_uring reads have not finished in two minutes (a
+        failing disk or a hung network filesystem; the rest were cancelled)."""
         planned = self._plan(requests)
         pb = self._core.geometry.page_bytes
         # a piece that fills its whole destination (a request served by one record, the
         # common case) reads into dst itself, not a slice of it
-        reads = [(rec, first, stop, dst if len(pieces) == 1 else dst[first * pb : stop * pb])
+        reads = [(rec, first, stop, dst if len(pieces) == 1 else _span(dst, first, stop, pb))
                  for dst, pieces in planned for rec, first, stop in pieces]
         try:
             _FP_LOAD_PINNED.hit()
@@ -116,7 +124,8 @@ class Reader:
             fds, offsets, addrs, lengths = [], [], [], []
             for read, f in zip(reads, held, strict=True):
                 rec, first, _, view = read
-                if f is None or not rec.verified or view.nbytes >= RING_MAX_PIECE:
+                if (f is None or not rec.verified or isinstance(view, PageScatter)
+                        or view.nbytes >= RING_MAX_PIECE):
                     rest.append(read)
                     continue
                 fast.append(read)
@@ -152,7 +161,7 @@ class Reader:
         tasks = [partial(self._read_run, reads[i : i + run]) for i in range(0, len(reads), run)]
         self._core.io.run_all(tasks)
 
-    def _plan(self, requests: Sequence[LoadRequest]) -> list[tuple[memoryview, list[_Piece]]]:
+    def _plan(self, requests: Sequence[LoadRequest]) -> list[tuple[Destination, list[_Piece]]]:
         pb = self._core.geometry.page_bytes
         wanted = []
         for req in requests:
@@ -161,8 +170,15 @@ class Reader:
             keys = self._core.keys(tokens, limit=n_pages)
             # not bytearray(n): it zero-fills, an extra pass over the row; aligned: the
             # kernel copies into a page-aligned buffer at twice numpy's default's speed
-            dst = (aligned_empty(n_pages * pb).data if out is None
-                   else as_out_view(out, n_pages * pb))
+            dst: Destination
+            if isinstance(out, PageScatter):
+                if out.nbytes != n_pages * pb:
+                    raise RowSpanError(f"a PageScatter of {out.nbytes} bytes for {n_pages} "
+                                       f"pages of {pb}")
+                dst = out
+            else:
+                dst = (aligned_empty(n_pages * pb).data if out is None
+                       else as_out_view(out, n_pages * pb))
             wanted.append((keys, n_pages, dst))
         planned = []
         ix = self._core.index
@@ -182,7 +198,7 @@ class Reader:
             ix.touch_all([rec for _, pieces in planned for rec, _, _ in pieces])
         return planned
 
-    def _unpin(self, planned: list[tuple[memoryview, list[_Piece]]]) -> None:
+    def _unpin(self, planned: list[tuple[Destination, list[_Piece]]]) -> None:
         with self._core.mutex:
             for _, pieces in planned:
                 for rec, _, _ in pieces:
@@ -208,8 +224,9 @@ class Reader:
             for (rec, first, stop, view), f in zip(reads, held, strict=True):
                 if f is not None and rec.verified:
                     at = rec.file_len - rec.row_len + (first - rec.start) * pb
+                    iov = view.views if isinstance(view, PageScatter) else [view]
                     try:
-                        if os.preadv(f.fd, [view], at) == view.nbytes:
+                        if len(iov) <= IOV_MAX and os.preadv(f.fd, iov, at) == view.nbytes:
                             continue
                     except OSError:
                         pass  # the long way says what it is
@@ -222,7 +239,7 @@ class Reader:
         if error is not None:
             raise error
 
-    def _read_piece(self, rec: Record, first: int, stop: int, dst: memoryview,
+    def _read_piece(self, rec: Record, first: int, stop: int, dst: Destination,
                     split: bool) -> None:
         pb = self._core.geometry.page_bytes
         offset = rec.file_len - rec.row_len + (first - rec.start) * pb  # past the header
@@ -231,7 +248,10 @@ class Reader:
             f = self._core.files.acquire(rec.key, self._core.directory, record_name)
             try:
                 # straight into dst (in parallel parts when large and split)
-                self._core.io.read(f.fd, dst, offset, split)
+                if isinstance(dst, PageScatter):
+                    preadv_full(f.fd, dst.views, offset)
+                else:
+                    self._core.io.read(f.fd, dst, offset, split)
                 if not rec.verified:
                     h = read_header_at(f.fd)  # the same file as the row just read
                     if (h.key, h.start_page, h.end_page, h.row_len, h.thinned) != (
@@ -239,6 +259,7 @@ class Reader:
                     ):
                         raise ValueError("its header does not match the index")
                     crcs, digest = h.crcs, page_digest(h.version)
+                    parts_digest = page_digest_parts(h.version)
             finally:
                 self._core.files.release(f)
         except (OSError, ValueError) as exc:
@@ -254,7 +275,9 @@ class Reader:
             ) from exc
         if crcs is not None:
             for i in range(stop - first):
-                if digest(dst[i * pb : (i + 1) * pb]) != crcs[first - rec.start + i]:
+                got = (parts_digest(dst.page(i)) if isinstance(dst, PageScatter)
+                       else digest(dst[i * pb : (i + 1) * pb]))
+                if got != crcs[first - rec.start + i]:
                     self._corrupt(rec, f"page {first + i} checksum mismatch")
                     raise RecordCorruptError(
                         f"record {rec.key.hex()} in {self._core.directory}: page {first + i} "
@@ -274,3 +297,10 @@ class Reader:
             if self._core.index.forget_orphan(rec.key) is not None:
                 self._core.scheduler.bad[record_name(rec.key)] = None
                 self._core.retire_locked(rec)  # this load's pin, at least, is still held
+
+
+def _span(dst: Destination, first: int, stop: int, page_bytes: int) -> Destination:
+    """Pages ``[first, stop)`` of a load's destination (no copy)."""
+    if isinstance(dst, PageScatter):
+        return dst.span(first, stop)
+    return dst[first * page_bytes : stop * page_bytes]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -40,6 +40,7 @@ __all__ = [
     "RecordHeader",
     "page_crcs",
     "page_digest",
+    "page_digest_parts",
     "record_name",
 ]
 
@@ -83,6 +84,27 @@ _PAGE_DIGESTS: dict[int, Callable[[bytes | memoryview], int]] = {1: zlib.crc32, 
 def page_digest(version: int) -> Callable[[bytes | memoryview], int]:
     """The page checksum of records of format ``version``."""
     return _PAGE_DIGESTS[version]
+
+
+def page_digest_parts(version: int) -> Callable[[Sequence[memoryview]], int]:
+    """:func:`page_digest` of a page given in parts (a scattered load's destination):
+    equal to it over their concatenation."""
+    if version == 1:
+        def crc32(parts: Sequence[memoryview]) -> int:
+            crc = 0
+            for p in parts:
+                crc = zlib.crc32(p, crc)
+            return crc
+        return crc32
+
+    def xxh3_low32(parts: Sequence[memoryview]) -> int:
+        h = xxhash.xxh3_64()
+        for p in parts:
+            h.update(p)
+        return h.intdigest() & 0xFFFFFFFF
+    if version != 2:
+        raise KeyError(version)
+    return xxh3_low32
 
 
 def page_crcs(row: memoryview, page_bytes: int) -> list[int]:

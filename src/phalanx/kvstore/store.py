@@ -40,7 +40,7 @@ from .geometry import Geometry
 from .index import Record
 from .jobs import JobRunner
 from .keys import KeyChain, Tokens, fingerprint_digest
-from .loads import LoadRequest, Reader
+from .loads import Destination, LoadRequest, Reader
 from .lock import DirLock
 from .maintenance import Job, JobKind, JobOutcome, Scheduler
 from .manifest import check_or_create
@@ -361,7 +361,7 @@ class DiskStore:
         :meth:`Reader.load`)."""
         return self._reader.load(tokens, n_pages, out)
 
-    def load_many(self, requests: Sequence[LoadRequest]) -> list[memoryview]:
+    def load_many(self, requests: Sequence[LoadRequest]) -> list[Destination]:
         """``load`` of a batch of prefixes, read at once (see :meth:`Reader.load_many`)."""
         return self._reader.load_many(requests)
 

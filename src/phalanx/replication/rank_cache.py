@@ -38,7 +38,7 @@ import msgspec
 from phalanx.kvstore import StoreOptions
 from phalanx.kvstore.geometry import Geometry
 from phalanx.kvstore.keys import KeyChain, Tokens
-from phalanx.kvstore.loads import LoadRequest
+from phalanx.kvstore.loads import Destination, LoadRequest
 from phalanx.kvstore.store import DiskStore
 from phalanx.kvstore.stores import StoreItem
 from phalanx.lifecycle import CleanupError
@@ -221,9 +221,10 @@ class RankCache:
         self._rank0_leases().release(lease)
 
     def load_many(self, requests: Sequence[LoadRequest], lease: Lease | None = None
-                  ) -> list[memoryview]:
+                  ) -> list[Destination]:
         """This rank's shard of each request ``(tokens, n_pages[, out])``, read from its
-        own store straight into ``out`` (the caller's buffer) where given; views in
+        own store straight into ``out`` (the caller's buffer or a ``PageScatter`` of the
+        buffers its pages go to) where given; views in
         request order. On a peer, ``lease`` (from rank 0's lookup_many) makes it wait
         until it applied what rank 0 had queued to it then (LinkStalledError after the
         job timeout). Takes no lock that stores or maintenance wait on."""
