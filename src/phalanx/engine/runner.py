@@ -54,8 +54,10 @@ class PageTier(Protocol):
         page_bytes], or the pages' own memory in the pool, each page's layers in order
         (a :class:`~phalanx.kvstore.PageScatter` of ``layers`` parts a page)."""
 
-    def save(self, keys: list[bytes], data: torch.Tensor) -> None:
-        """Stage ``data`` [len(keys), page_bytes] for storing in the background (copy it)."""
+    def save(self, keys: list[bytes], data: torch.Tensor | PageScatter) -> None:
+        """Stage the pages of ``keys`` for storing in the background (copy them): ``data``
+        is a uint8 tensor [len(keys), page_bytes] or the pages' own memory in the pool
+        (as for ``load``)."""
 
 
 class Runner:
@@ -150,8 +152,8 @@ class Runner:
 
     def _page_scatter(self, page_ids: Sequence[int]) -> PageScatter:
         """``page_ids``' own memory in the pool, each page's layers in order: the disk
-        tier's bytes for this rank land there with no copy (docs/design.md, "Disk loads
-        straight into the KV pages")."""
+        tier's bytes for this rank land there, and are staged from there, with no copy
+        in between (docs/design.md, "Disk loads straight into the KV pages")."""
         from phalanx.kvstore import PageScatter
 
         size = self.kv[0][0].numel() * self.kv[0].element_size()
@@ -316,7 +318,10 @@ class Runner:
         for save in plan.saves:
             if self.tier is None:
                 continue  # no disk tier: nothing to stage (rank 0 would not plan saves)
-            self.tier.save(list(save.keys), self.read_pages(save.page_ids))
+            # on the host the staging copies from the pages themselves: one copy, not a
+            # gather into a tensor that it then copied again
+            self.tier.save(list(save.keys), self._page_scatter(save.page_ids)
+                           if self._kv_bytes else self.read_pages(save.page_ids))
 
     def close(self) -> None:
         """Drop the KV pool and close the communicator's window mappings (idempotent):

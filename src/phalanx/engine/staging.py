@@ -96,11 +96,20 @@ class PageStaging:
             self.dropped += 1
 
     # -- the runner's side ------------------------------------------------------------
-    def save(self, keys: list[bytes], data: torch.Tensor) -> None:
-        rows = data.numpy()
+    def save(self, keys: list[bytes], data: torch.Tensor | PageScatter) -> None:
         with self._lock:
-            for key, row in zip(keys, rows, strict=True):
-                self._slab[self._slot_for(key)] = row
+            if isinstance(data, PageScatter):
+                if data.pages != len(keys):
+                    raise EngineError(f"rank {self.rank}: {data.pages} pages saved for "
+                                      f"{len(keys)} keys")
+                size = data.part_bytes
+                for i, key in enumerate(keys):
+                    slot = self._slab[self._slot_for(key)].data
+                    for j, part in enumerate(data.page(i)):
+                        slot[j * size:(j + 1) * size] = part
+            else:
+                for key, row in zip(keys, data.numpy(), strict=True):
+                    self._slab[self._slot_for(key)] = row
             self.saved += len(keys)
 
     def _slot_for(self, key: bytes) -> int:
