@@ -40,6 +40,41 @@ def client(s: Server, key: str = "unused") -> openai.OpenAI:
     return c
 
 
+def test_the_servers_connections_send_without_waiting_for_acks() -> None:
+    """The socket uvicorn serves on, under asyncio as uvicorn runs it: the connections
+    it accepts have Nagle's algorithm off. With it on, a kept-alive connection's first
+    event waited for the client's delayed ACK of the response headers (40 ms on every
+    request after the first, with the openai client's pooled connections)."""
+    import asyncio
+    import socket
+
+    from phalanx.serve.server import listen_socket
+
+    async def accepted_nodelay() -> int:
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[int] = loop.create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                conn = transport.get_extra_info("socket")
+                got.set_result(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        sock = listen_socket("127.0.0.1", 0)
+        server = await loop.create_server(Probe, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            try:
+                return await asyncio.wait_for(got, 30)
+            finally:
+                writer.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay()) != 0
+
+
 def test_completions_and_chat_through_the_openai_client(server: Server) -> None:
     c = client(server)
     (model,) = [m.id for m in c.models.list().data]

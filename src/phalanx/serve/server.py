@@ -29,7 +29,7 @@ from .api.metrics import Metrics
 from .driver import EngineDriver
 from .supervisor import Supervisor
 
-__all__ = ["ServerConfig", "default_cache_dir", "run_server"]
+__all__ = ["ServerConfig", "default_cache_dir", "listen_socket", "run_server"]
 
 log = logging.getLogger("phalanx.serve")
 
@@ -98,6 +98,26 @@ def _starter(cfg: ServerConfig, model_dir: Path, name: str, hosts: Any = None
     return start
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's TCP socket, bound (uvicorn listens on it).
+
+    Created with ``IPPROTO_TCP`` named, not 0: asyncio turns Nagle's algorithm off
+    (``TCP_NODELAY``) only on accepted sockets whose protocol says TCP. With it on, a
+    kept-alive connection's response waited for the client's delayed ACK of its
+    headers before the first event went out: every request after the first on one
+    connection (the ``openai`` client keeps them) reached its first token 40 ms late
+    (docs/design.md, "Nagle's algorithm on the server's connections")."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def run_server(cfg: ServerConfig, *, ready: Callable[[str], None] | None = None,
                hosts: Any = None) -> int:
     """Serve until a signal (exit 0) or a fatal engine death (exit 1). ``hosts``: node 0's
@@ -113,9 +133,7 @@ def run_server(cfg: ServerConfig, *, ready: Callable[[str], None] | None = None,
         try:
             if state.stop_requested:
                 return 0
-            sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((cfg.host, cfg.port))
+            sock = listen_socket(cfg.host, cfg.port)
             host, port = sock.getsockname()[:2]
             metrics = Metrics(name)
             settings = ServeSettings(served_model_name=name, api_key=cfg.api_key,
