@@ -177,6 +177,14 @@ def test_load_many_scatters_each_page_into_its_buffers(tmp_path: Path, stores: S
         s.load(reqs[0][0], reqs[0][1], out=_scatter(reqs[0][1], 4, 0)[0])
     with pytest.raises(RowSpanError, match="same size"):
         PageScatter([bytearray(8), bytearray(4)], 1)
+    with pytest.raises(RowSpanError, match="writable"):
+        PageScatter([bytes(PB)], 1)
+    torch = pytest.importorskip("torch")
+    strided = torch.zeros(PB, 2, dtype=torch.uint8)[:, 0]   # reading into it would be lost
+    with pytest.raises(RowSpanError, match="contiguous"):
+        PageScatter([strided], 1)
+    with pytest.raises(RowSpanError, match="contiguous"):
+        s.load_many([(reqs[0][0], 1, strided)])
     # a page whose bytes changed on disk fails its checksum through the parts too
     t0, n0 = reqs[0]
     victim = s.chain(t0).keys[n0 - 1].hex() + ".kv"   # the record ending at its last page

@@ -67,15 +67,20 @@ def _tensor_view(tensor: Any) -> memoryview:
     return memoryview(t.numpy())
 
 
-def as_out_view(out: Any, nbytes: int) -> memoryview:
-    """A writable flat byte view of a load destination (buffer or CPU tensor), no copy."""
+def as_out_view(out: Any, nbytes: int | None = None) -> memoryview:
+    """A writable flat byte view of a load destination (buffer or CPU tensor), no copy;
+    ``nbytes`` long where given."""
     if (type(out) is memoryview and out.format == "B" and out.ndim == 1  # a batch's usual
-            and out.c_contiguous and not out.readonly and out.nbytes == nbytes):
+            and out.c_contiguous and not out.readonly
+            and (nbytes is None or out.nbytes == nbytes)):
         return out
+    size = "" if nbytes is None else f" of {nbytes} bytes"
     if type(out).__module__.startswith("torch") and not isinstance(out, memoryview):
         if out.device.type != "cpu":
             raise RowSpanError("out must be in host memory (a CPU or pinned tensor); copy "
                                "the loaded view to the device yourself")
+        if not out.is_contiguous():  # reshape would read into a copy, and lose it
+            raise RowSpanError(f"out must be a contiguous tensor{size}")
         import torch  # only callers that pass tensors pay for torch
 
         view = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())
@@ -84,8 +89,8 @@ def as_out_view(out: Any, nbytes: int) -> memoryview:
             view = memoryview(out)
         except TypeError:
             raise RowSpanError(f"out must be a writable buffer, got {type(out).__name__}") from None
-    if view.readonly or not view.c_contiguous or view.nbytes != nbytes:
-        raise RowSpanError(f"out must be a writable C-contiguous buffer of {nbytes} bytes")
+    if view.readonly or not view.c_contiguous or (nbytes is not None and view.nbytes != nbytes):
+        raise RowSpanError(f"out must be a writable C-contiguous buffer{size}")
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._errors import RowSpanError
+from .buffers import as_out_view
 
 __all__ = ["PageScatter", "preadv_full"]
 
@@ -34,7 +35,7 @@ class PageScatter:
         if parts < 1 or not buffers or len(buffers) % parts:
             raise RowSpanError(f"a PageScatter needs whole pages of {parts} buffers each, got "
                                f"{len(buffers)} buffers")
-        views = [_writable_bytes(b) for b in buffers]
+        views = [as_out_view(b) for b in buffers]
         size = views[0].nbytes
         if any(v.nbytes != size for v in views):
             raise RowSpanError("a PageScatter's buffers must all be the same size (got "
@@ -62,37 +63,21 @@ class PageScatter:
         return self.views[i * self.parts:(i + 1) * self.parts]
 
 
-def _writable_bytes(buf: Any) -> memoryview:
-    if type(buf).__module__.startswith("torch") and not isinstance(buf, memoryview):
-        if buf.device.type != "cpu":
-            raise RowSpanError("a PageScatter's buffers must be in host memory")
-        import torch  # only callers that pass tensors pay for torch
-
-        if not buf.is_contiguous():
-            raise RowSpanError("a PageScatter's tensors must be contiguous")
-        buf = buf.detach().reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(buf)
-    if view.readonly or not view.c_contiguous:
-        raise RowSpanError("a PageScatter's buffers must be writable and C-contiguous")
-    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-
-
 def preadv_full(fd: int, views: Sequence[memoryview], offset: int) -> None:
     """Fill ``views`` in order from ``fd`` at ``offset`` (preadv, IOV_MAX buffers a call,
     short reads resumed where they stopped)."""
     pending = list(views)
-    at = offset
-    while pending:
-        batch = pending[:IOV_MAX]
-        n = os.preadv(fd, batch, at)
+    i, at = 0, offset
+    while i < len(pending):
+        n = os.preadv(fd, pending[i:i + IOV_MAX], at)
         if n == 0:
             raise OSError(0, "file shorter than its header says")
         at += n
-        while n and pending:  # drop what was filled, keep a partly filled one's rest
-            head = pending[0]
+        while n and i < len(pending):  # past what was filled; a partly filled one's rest
+            head = pending[i]
             if n >= head.nbytes:
                 n -= head.nbytes
-                pending.pop(0)
+                i += 1
             else:
-                pending[0] = head[n:]
+                pending[i] = head[n:]
                 n = 0
