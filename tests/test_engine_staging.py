@@ -88,3 +88,34 @@ def test_a_page_saved_again_keeps_its_slot() -> None:
 def test_a_staging_needs_a_slot() -> None:
     with pytest.raises(EngineError, match="capacity >= 1"):
         PageStaging(GEOMETRY, rank=0, capacity=0)
+
+
+def test_pages_go_in_and_out_by_their_parts_as_by_rows() -> None:
+    """A runner on the host hands its pages' own blocks (a PageScatter of one part per
+    layer) where a device runner hands a uint8 tensor: saving and loading through the
+    parts moves the same bytes as through rows, part j of a page being its j-th slice."""
+    from phalanx.kvstore import PageScatter
+
+    parts = 4
+    keys, data = _pages(7, 3)
+    pools = [torch.zeros(3, PAGE // parts, dtype=torch.uint8) for _ in range(parts)]
+    for j, pool in enumerate(pools):   # page i, part j: bytes [j * size, (j + 1) * size)
+        pool.copy_(data.view(3, parts, -1)[:, j])
+
+    def scatter(of: list[torch.Tensor]) -> PageScatter:
+        return PageScatter([pool[i] for i in range(3) for pool in of], parts)
+
+    staging = PageStaging(GEOMETRY, rank=0, capacity=8)
+    staging.save(keys, scatter(pools))
+    assert np.array_equal(_row(staging, keys), data.numpy())
+    # pages a load delivered: into a tensor and into parts alike
+    staging.loaded(keys, memoryview(data.numpy()).cast("B"))
+    rows = torch.zeros_like(data)
+    staging.load(keys, rows)
+    assert torch.equal(rows, data)
+    staging.loaded(keys, memoryview(data.numpy()).cast("B"))
+    back = [torch.zeros_like(pool) for pool in pools]
+    staging.load(keys, scatter(back))
+    assert all(torch.equal(b, p) for b, p in zip(back, pools, strict=True))
+    with pytest.raises(EngineError, match="2 pages saved for 3 keys"):
+        staging.save(keys, PageScatter([pool[i] for i in range(2) for pool in pools], parts))

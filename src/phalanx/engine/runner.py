@@ -224,8 +224,8 @@ class Runner:
         each failed rank's reason (the same on every rank: see _agree)."""
         if self.closed:
             raise EngineError(f"rank {self.comm.rank}: the runner was closed")
-        if plan.copies:
-            self.decode_gather.drop()
+        if plan.copies or plan.loads:
+            self.decode_gather.drop()   # they write pages the kept gathers may hold
         for src, dst in plan.copies:
             self._check_pages([src, dst])
             for layer in self.kv:
@@ -237,7 +237,6 @@ class Runner:
                               f"{len(plan.loads[0].keys)} pages but this runner has no "
                               "disk tier")
         why = ""
-        self.decode_gather.drop()
         for load in plan.loads:
             self._check_pages(load.page_ids)
             # on the host the pages themselves are the destination; a failed load
