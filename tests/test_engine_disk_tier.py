@@ -142,3 +142,35 @@ def test_a_load_failing_on_one_rank_is_a_miss(model_dir: Path, tmp_path: Path,
         assert [(o.cached_tokens_disk, o.cached_tokens_memory) for o in again] == [
             (3 * PT, 0), (0, 3 * PT)]
         assert tier.stats.load_failures == 1
+
+
+def test_a_miss_asks_rank_0_nothing_and_a_hit_still_finds_its_pages(
+        model_dir: Path, tmp_path: Path) -> None:
+    """The tier answers a miss from the page keys rank 0 holds (docs/design.md, engine:
+    disk tier): no lookup on rank 0 for a prompt no disk has, one for a prompt whose
+    pages were stored in this process or recovered after a restart."""
+    prompts, sp = _prompts(), greedy(4)
+    kw: dict[str, Any] = dict(tensor_parallel_size=2, page_tokens=PT, num_pages=64,
+                              max_num_batched_tokens=256,
+                              prefix_cache_disk=tmp_path / "cache")
+    with LLM(model_dir, **kw) as llm:
+        tier = llm.engine.disk_tier
+        assert tier is not None
+        computed = llm.generate(prompts[:1], sp)
+        stats = llm.engine.stats()
+        assert (stats["disk_tier_lookups"], stats["disk_tier_lookups_skipped"]) == (0, 1)
+        assert tier.drain(60) and tier.stats.stores > 0
+        assert llm.reset_prefix_cache()
+        # the second prompt shares the first's three pages: known from its store
+        (hit,) = llm.generate(prompts[1:], sp)
+        assert hit.cached_tokens_disk == 3 * PT
+        assert llm.engine.stats()["disk_tier_lookups"] == 1
+        assert tier.drain(60)
+    with LLM(model_dir, **kw) as llm:                             # recovered from disk
+        (again,) = llm.generate(prompts[:1], sp)
+        assert again.cached_tokens_disk == 3 * PT
+        assert _tokens([again]) == _tokens(computed)
+        fresh = llm.generate({"prompt_token_ids": [200 + i for i in range(2 * PT)]}, sp)
+        assert fresh[0].cached_tokens_disk == 0
+        stats = llm.engine.stats()
+        assert (stats["disk_tier_lookups"], stats["disk_tier_lookups_skipped"]) == (1, 1)

@@ -10,6 +10,14 @@ the step ran (every rank loaded before the forward's collectives). A lookup the
 scheduler gives back (``unpin``: the request did not fit) is released with the next
 lookup.
 
+A miss asks no rank: the tier keeps the set of page keys rank 0 holds (its answer at
+open, refreshed after maintenance did work, plus every chain queued for a store), and a
+lookup whose first wanted key is not in it returns 0 at once. The set may hold keys
+rank 0 has since evicted (then the lookup is asked and answers 0), never lack one it
+holds: a store adds its keys before it runs, and a refresh keeps the keys queued while
+it was asked. A new prompt thus costs no round trip to rank 0 before its first step,
+which in a busy server would come between two steps of everyone decoding.
+
 A load that fails on a rank (a record missing or corrupt there, an I/O error) is a
 miss, not an error: the ranks agree on it before the forward (``Runner._agree``), none
 runs the step, rank 0 still releases the leases, the scheduler recomputes what was to
@@ -48,7 +56,7 @@ if TYPE_CHECKING:
     from .ranks import TPRanks
 
 __all__ = ["DiskLoad", "DiskLoads", "DiskTier", "DiskTierStats", "rank_lookup",
-           "release_leases"]
+           "rank_page_keys", "release_leases"]
 
 log = logging.getLogger("phalanx.engine")
 
@@ -67,6 +75,9 @@ _MAINTENANCE_JOBS = 64      # jobs per burst: a store waits behind one burst at 
 # shared cores, which the request just admitted would otherwise pay.
 _QUIET_GAP_S = 0.05
 _QUIET_WAIT_S = 1.0
+# The page keys the tier keeps to answer a miss without asking rank 0: past this many
+# (~100 bytes each in a set) it asks rank 0 for every lookup instead.
+_KNOWN_KEYS_MAX = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,13 @@ def rank_lookup(cache_id: str, keys: list[bytes], page_tokens: int, fingerprint:
     return n, lease
 
 
+def rank_page_keys(cache_id: str, limit: int) -> list[bytes] | None:
+    """Rank 0: every page key its store holds (None past ``limit``)."""
+    from ..replication import rank_cache
+
+    return rank_cache(cache_id).store.page_keys(limit)
+
+
 def release_leases(cache_id: str, leases: list[Lease]) -> None:
     """Rank 0: unpin what a step's loads held, once the step ran on every rank."""
     from ..replication import rank_cache
@@ -125,7 +143,9 @@ def release_leases(cache_id: str, leases: list[Lease]) -> None:
 
 @dataclass
 class DiskTierStats:
-    lookups: int = 0
+    lookups: int = 0          # asked rank 0
+    lookups_skipped: int = 0  # answered 0 at once: the first wanted key is on no disk
+    key_refreshes: int = 0
     pages_loaded: int = 0
     load_failures: int = 0
     stores: int = 0
@@ -153,6 +173,12 @@ class DiskTier:
         self._cv = threading.Condition()
         self._pending = 0       # stores queued or running
         self._stopping = False
+        # the page keys rank 0 holds, or more (see the module docstring); None: ask it
+        # for every lookup. _fresh collects the keys queued while a refresh is asked.
+        self._keys_lock = threading.Lock()
+        self._known: set[bytes] | None = None
+        self._fresh: set[bytes] | None = None
+        self._refresh_keys()
         self._thread = threading.Thread(target=self._run, name="phalanx-engine-disk-stores",
                                         daemon=True)
         self._thread.start()
@@ -163,6 +189,11 @@ class DiskTier:
     # -- the scheduler's side (request path) ----------------------------------------------
 
     def lookup(self, keys: Sequence[bytes], start: int) -> int:
+        known = self._known
+        if (known is not None and start < len(keys) and keys[start] not in known
+                and not self._releases):  # given-back leases ride on the next lookup
+            self.stats.lookups_skipped += 1
+            return 0
         self.stats.lookups += 1
         releases, self._releases = self._releases, []
         try:
@@ -215,6 +246,13 @@ class DiskTier:
         return [True] * (len(keys) - start)
 
     def saved(self, keys: Sequence[bytes]) -> None:
+        with self._keys_lock:  # before the store can run: a lookup after it asks rank 0
+            if self._known is not None:
+                self._known.update(keys)
+                if len(self._known) > _KNOWN_KEYS_MAX:
+                    self._known = None
+            if self._fresh is not None:
+                self._fresh.update(keys)
         with self._cv:
             try:
                 self._q.put_nowait((time.monotonic(), list(keys)))
@@ -234,7 +272,9 @@ class DiskTier:
             except queue.Empty:
                 if self._stopping:
                     return
-                behind = self._maintain() > 0
+                was_behind, behind = behind, self._maintain() > 0
+                if was_behind and not behind:
+                    self._refresh_keys()  # the bursts evicted: forget what they removed
                 empty = 0 if behind else empty + 1
                 if behind:
                     idle = _IDLE_POLL_S
@@ -273,6 +313,21 @@ class DiskTier:
             return 0
         self.stats.maintenance_jobs += done
         return done
+
+    def _refresh_keys(self) -> None:
+        """Ask rank 0 for the page keys it holds; keep those queued meanwhile. On a
+        failure the tier asks rank 0 for every lookup until the next refresh."""
+        with self._keys_lock:
+            self._fresh = set()
+        try:
+            keys = self.group.on_rank0(rank_page_keys, self.cache.cache_id, _KNOWN_KEYS_MAX)
+        except PhalanxError as exc:
+            keys = None
+            self._failed("reading the page keys rank 0 holds", exc)
+        with self._keys_lock:
+            fresh, self._fresh = self._fresh, None
+            self._known = None if keys is None else set(keys) | (fresh or set())
+        self.stats.key_refreshes += 1
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.stats.last_error = f"{what}: {exc!r}"

@@ -301,6 +301,8 @@ class Engine:
             return {}
         s = tier.stats
         return {"disk_tier_stores": s.stores, "disk_tier_store_failures": s.store_failures,
+                "disk_tier_lookups": s.lookups,
+                "disk_tier_lookups_skipped": s.lookups_skipped,
                 "disk_tier_pages_loaded": s.pages_loaded,
                 "disk_tier_load_failures": s.load_failures,
                 "disk_tier_maintenance_jobs": s.maintenance_jobs,

@@ -405,6 +405,14 @@ class DiskStore:
         with self._core.mutex:
             return {k: r.thinned for k, r in self._core.index.records.items()}
 
+    def page_keys(self, limit: int) -> list[bytes] | None:
+        """Every cached page key (the trie's nodes: a key names its whole prefix), or
+        None when there are more than ``limit`` (a caller's filter would cost too much
+        memory)."""
+        with self._core.mutex:
+            nodes = self._core.index.nodes
+            return None if len(nodes) > limit else list(nodes)
+
     def prefix_keys(self, key: bytes) -> list[bytes]:
         """Page keys of the cached prefix that ends at node ``key`` ([] when not cached)."""
         with self._core.mutex:
