@@ -14,9 +14,10 @@ A miss asks no rank: the tier keeps the set of page keys rank 0 holds (its answe
 open, refreshed after maintenance did work, plus every chain queued for a store), and a
 lookup whose first wanted key is not in it returns 0 at once. The set may hold keys
 rank 0 has since evicted (then the lookup is asked and answers 0), never lack one it
-holds: a store adds its keys before it runs, and a refresh keeps the keys queued while
-it was asked. A new prompt thus costs no round trip to rank 0 before its first step,
-which in a busy server would come between two steps of everyone decoding.
+holds: a store adds its keys before it runs, and a refresh keeps the keys of every
+store not yet run (the refresh runs on the stores' thread, between two stores). A new
+prompt thus costs no round trip to rank 0 before its first step, which in a busy server
+would come between two steps of everyone decoding.
 
 A load that fails on a rank (a record missing or corrupt there, an I/O error) is a
 miss, not an error: the ranks agree on it before the forward (``Runner._agree``), none
@@ -37,6 +38,7 @@ bounded bursts while it is idle, less and less often while there is nothing to d
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -174,10 +176,10 @@ class DiskTier:
         self._pending = 0       # stores queued or running
         self._stopping = False
         # the page keys rank 0 holds, or more (see the module docstring); None: ask it
-        # for every lookup. _fresh collects the keys queued while a refresh is asked.
+        # for every lookup. _queued: the keys of the stores queued, not yet run.
         self._keys_lock = threading.Lock()
         self._known: set[bytes] | None = None
-        self._fresh: set[bytes] | None = None
+        self._queued: collections.Counter[bytes] = collections.Counter()
         self._refresh_keys()
         self._thread = threading.Thread(target=self._run, name="phalanx-engine-disk-stores",
                                         daemon=True)
@@ -251,15 +253,22 @@ class DiskTier:
                 self._known.update(keys)
                 if len(self._known) > _KNOWN_KEYS_MAX:
                     self._known = None
-            if self._fresh is not None:
-                self._fresh.update(keys)
+            self._queued.update(keys)
         with self._cv:
             try:
                 self._q.put_nowait((time.monotonic(), list(keys)))
             except queue.Full:
                 self.stats.stores_dropped += 1
+                self._unqueue(keys)
                 return
             self._pending += 1
+
+    def _unqueue(self, keys: Sequence[bytes]) -> None:
+        with self._keys_lock:
+            self._queued.subtract(keys)
+            for k in keys:
+                if self._queued[k] <= 0:
+                    del self._queued[k]
 
     # -- the background thread --------------------------------------------------------
 
@@ -294,6 +303,7 @@ class DiskTier:
                 self.stats.store_failures += 1
                 self._failed("store", exc)
             finally:
+                self._unqueue(keys)
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()
@@ -315,18 +325,16 @@ class DiskTier:
         return done
 
     def _refresh_keys(self) -> None:
-        """Ask rank 0 for the page keys it holds; keep those queued meanwhile. On a
+        """Ask rank 0 for the page keys it holds, and keep those of the stores not yet
+        run. Runs before the thread starts or on it, so no store runs meanwhile. On a
         failure the tier asks rank 0 for every lookup until the next refresh."""
-        with self._keys_lock:
-            self._fresh = set()
         try:
             keys = self.group.on_rank0(rank_page_keys, self.cache.cache_id, _KNOWN_KEYS_MAX)
         except PhalanxError as exc:
             keys = None
             self._failed("reading the page keys rank 0 holds", exc)
         with self._keys_lock:
-            fresh, self._fresh = self._fresh, None
-            self._known = None if keys is None else set(keys) | (fresh or set())
+            self._known = None if keys is None else set(keys).union(self._queued)
         self.stats.key_refreshes += 1
 
     def _failed(self, what: str, exc: BaseException) -> None:
