@@ -2,8 +2,9 @@
 
 One :class:`Engine` owns a :class:`RankGroup` (a Worker with ``tensor_parallel_size``
 ranks; each rank holds a :class:`~phalanx.engine.runner.Runner` over a shared-memory TP
-domain) and a :class:`~phalanx.engine.scheduler.Scheduler`. :meth:`Engine.step` runs one
-step: the scheduler's plan is encoded once and sent to every rank, rank 0's sampled
+domain, or over torch.distributed on CUDA: ``device``, engine/devices.py) and a
+:class:`~phalanx.engine.scheduler.Scheduler`. :meth:`Engine.step` runs one step: the
+scheduler's plan is encoded once and sent to every rank, rank 0's sampled
 tokens come back, and each request is advanced: incremental detokenization, then EOS,
 stop token ids, stop strings, ``max_tokens`` and the context decide whether it ends.
 
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 
 from ..kvstore import fingerprint_digest
 from ._errors import EngineDeadError, EngineError, RequestError, SchedulerError
+from .devices import resolve_devices
 from .disk_tier import DiskTier
 from .outputs import CompletionOutput, IncrementalDetokenizer, Logprob, RequestOutput
 from .plan import decode_result, encode_plan
@@ -63,6 +65,8 @@ class EngineConfig:
     prefix_cache_disk: str | None = None   # the replicated disk tier's directory
     prefix_cache_disk_bytes: int = 1 << 30  # its capacity per rank
     prefix_cache_max_age: float | None = None  # seconds a leaf record may stay unused
+    device: str = "cpu"                    # "cpu", "cuda" or "cuda:N" (engine/devices.py)
+    tp_comm: str = "auto"                  # shared memory on CPU, NCCL on CUDA; or "gloo"
 
 
 _NOT_IN_KV = ("max_model_len", "eos_token_ids")
@@ -122,6 +126,12 @@ class Engine:
         tp = config.tensor_parallel_size
         if tp < 1:
             raise EngineError(f"tensor_parallel_size={tp}: must be >= 1")
+        if hosts is not None and (config.device != "cpu" or config.tp_comm != "auto"):
+            raise EngineError(f"device={config.device!r}, tp_comm={config.tp_comm!r}: ranks "
+                              "on several hosts run on CPU over gloo only (leave both at "
+                              "their defaults)")
+        # refused here, before any rank exists: no GPU, or fewer than NCCL needs
+        devices = resolve_devices(config.device, tp, config.tp_comm)
         mcfg = load_config(config.model, max_model_len=config.max_model_len,
                            dtype=config.dtype)
         self.model_config = mcfg
@@ -149,7 +159,7 @@ class Engine:
             kwargs["dtype"] = config.dtype
         disk = config.prefix_cache_disk
         self.hosts = hosts
-        group_type: Any = RankGroup
+        group_type: Any = functools.partial(RankGroup, devices=devices)
         if hosts is not None:
             from .host_ranks import HostRankGroup
 

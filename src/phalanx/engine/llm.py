@@ -9,6 +9,9 @@ A prompt is a string (tokenized with the model's tokenizer) or
 :class:`~phalanx.engine.outputs.RequestOutput` per prompt, in order;
 :meth:`LLM.generate_stream` yields each request's cumulative output after every step
 that advanced it (the form a server streams from). One LLM runs one generate at a time.
+
+``device="cuda"`` runs rank ``r`` on ``cuda:{r % torch.cuda.device_count()}`` (TP over
+NCCL, one GPU per rank; "cuda:N" for one chosen GPU at TP 1): see engine/devices.py.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class LLM:
         step_timeout: float = 120.0,
         prefix_tier: PrefixTier | None = None,
         prefix_cache_disk_bytes: int = 1 << 30,
+        device: str = "cpu",
+        tp_comm: str = "auto",
     ) -> None:
         model_dir = Path(model) if model is not None else default_model_dir()
         self.model_dir = model_dir
@@ -75,6 +80,7 @@ class LLM:
             step_timeout=step_timeout,
             prefix_cache_disk=None if prefix_cache_disk is None else str(prefix_cache_disk),
             prefix_cache_disk_bytes=prefix_cache_disk_bytes,
+            device=device, tp_comm=tp_comm,
         )
         from .config import load_config
 

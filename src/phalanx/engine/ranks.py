@@ -1,6 +1,11 @@
 """The TP ranks of one engine: a Worker whose one long-lived run holds the TP domain and
 every rank's runner, and serves one step plan at a time.
 
+On CPU the ranks reduce over phalanx's shared-memory domain. On CUDA (engine/devices.py)
+they form a torch.distributed group instead (NCCL, or gloo where named), on a
+``TCPStore`` the group holds in the parent: the same ``join_group`` and
+``TorchDistComm`` as the multi-host path, on loopback.
+
 The rank-side functions are module-level so tasks ship them by reference.
 """
 
@@ -16,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
 from ._errors import EngineError
+from .devices import DevicePlan
 from .quiet import QuietGate
 
 __all__ = ["RankGroup", "TPRanks"]
@@ -28,21 +34,53 @@ _TP_WINDOW = 4 << 20          # per-rank staging window of the TP domain
 
 # -- the rank side (module-level: tasks are shipped by reference) -------------------------
 
+# a rank's place in the local torch.distributed group: (store port, key prefix, rank,
+# world, timeout, backend)
+_DistArgs = tuple[int, str, int, int, float, str]
+
+
 def _rank_open(runner_id: str, model_dir: str, view: Any, kwargs: dict[str, Any],
-               seed: int, staging: bool) -> dict[str, Any]:
+               seed: int, staging: bool, dist: _DistArgs | None = None) -> dict[str, Any]:
     import torch
 
     from .runner import open_runner
     from .staging import rank_staging
-    from .tp import DomainComm, SoloComm
+    from .tp import DomainComm, SoloComm, TPComm
 
     torch.manual_seed(seed)
-    comm = DomainComm(view) if view is not None else SoloComm()
-    runner = open_runner(runner_id, model_dir, comm, **kwargs)
+    comm: TPComm
+    if dist is not None:
+        comm = _join_local_group(str(kwargs.get("device", "cpu")), *dist)
+    else:
+        comm = DomainComm(view) if view is not None else SoloComm()
+    try:
+        runner = open_runner(runner_id, model_dir, comm, **kwargs)
+    except BaseException:
+        if dist is not None:
+            from phalanx.hosts.dist import destroy
+
+            destroy()
+        raise
     if staging:
         # the disk tier's pages pass through this rank's staging (see engine.staging)
         runner.tier = rank_staging(runner.geometry())
     return runner.memory()
+
+
+def _join_local_group(device: str, port: int, prefix: str, rank: int, world: int,
+                      timeout: float, backend: str) -> Any:
+    """This rank's TorchDistComm in the group of the engine's local ranks (loopback)."""
+    import torch
+
+    from phalanx.hosts.dist import join_group
+
+    from .tp import TorchDistComm
+
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))  # NCCL's communicator takes this GPU
+    group = join_group("127.0.0.1", port, prefix, rank, world, timeout, backend=backend,
+                       node_addr="127.0.0.1")
+    return TorchDistComm(group, device)
 
 
 # A rank's runner is used by one step at a time; closing it waits for the step in
@@ -86,7 +124,8 @@ def _rank_execute(runner_id: str, plan: bytes, disk: Any = None) -> bytes | None
     return encode_result(result) if rank == 0 else None
 
 
-def _rank_close(runner_id: str) -> None:
+def _rank_close(runner_id: str, leave_group: bool = False) -> None:
+    """Close this rank's runner; ``leave_group``: then leave its torch.distributed group."""
     import gc
 
     from .runner import close_runner
@@ -98,6 +137,10 @@ def _rank_close(runner_id: str) -> None:
         close_runner(runner_id)
     finally:
         _EXEC_LOCK.release()
+        if leave_group:
+            from phalanx.hosts.dist import destroy
+
+            destroy()
     gc.collect()   # frames of a failed step may sit in reference cycles
 
 
@@ -121,6 +164,18 @@ def rank_env() -> dict[str, str]:
     user set is kept.
     """
     return {} if "MALLOC_ARENA_MAX" in os.environ else {"MALLOC_ARENA_MAX": "1"}
+
+
+def _local_store(timeout: float) -> Any:
+    """A torch.distributed ``TCPStore`` on loopback, on a free port (the group's ranks
+    connect to it as clients). Not the libuv server: its first store in a process leaves
+    a pipe pair open in it for good (torch 2.13), and the parent outlives many engines."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True,  # type: ignore[attr-defined]
+                         timedelta(seconds=timeout), wait_for_workers=False, use_libuv=False)
 
 
 class TPRanks(Protocol):
@@ -151,14 +206,24 @@ class RankGroup:
     :meth:`execute` hands one encoded plan to the run's thread, which submits it to every
     rank and returns rank 0's encoded result. A failure (a dead rank, a failed task) is
     raised to the caller and ends the run: the group is then dead.
+
+    ``devices``: each rank's device and the communicator (engine/devices.py); None: on
+    CPU over the shared-memory domain.
     """
 
     def __init__(self, model_dir: str, tp: int, runner_kwargs: dict[str, Any], *,
                  step_timeout: float, start_timeout: float, seed: int,
-                 staging: bool = False) -> None:
+                 staging: bool = False, devices: DevicePlan | None = None) -> None:
         from phalanx.comm import Worker
 
         self.tp = tp
+        self.devices = devices or DevicePlan(("cpu",) * tp, "solo" if tp == 1 else "shm")
+        if len(self.devices.devices) != tp:
+            raise EngineError(f"a device plan for {len(self.devices.devices)} ranks given "
+                              f"to {tp} ranks")
+        self._start_timeout = start_timeout
+        # the local torch.distributed group's store (its keys under this group's prefix)
+        self._store: Any = _local_store(start_timeout) if self.devices.dist else None
         self.runner_id = f"engine_{next(_ids)}"
         self._step_timeout = step_timeout
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -177,18 +242,26 @@ class RankGroup:
         except BaseException:
             self._jobs.put(None)
             self.worker.close()
+            self._store = None
             raise
+
+    def _dist_args(self, rank: int) -> _DistArgs | None:
+        if self._store is None:
+            return None
+        return (int(self._store.port), f"phx/tp/{self.runner_id}", rank, self.tp,
+                self._start_timeout, self.devices.comm)
 
     def _serve(self, o: Any, model_dir: str, kwargs: dict[str, Any], seed: int,
                staging: bool) -> None:
         domain = None
         opened = False
         try:
-            if self.tp > 1:
+            if self.devices.comm == "shm":
                 domain = o.allocate_domain(f"{self.runner_id}_tp", ranks=list(o.ranks),
                                            window_size=_TP_WINDOW)
-            futs = [o.submit(r, _rank_open, self.runner_id, model_dir, domain, kwargs, seed,
-                             staging) for r in o.ranks]
+            futs = [o.submit(r, _rank_open, self.runner_id, model_dir, domain,
+                             {**kwargs, "device": self.devices.devices[r]}, seed, staging,
+                             self._dist_args(r)) for r in o.ranks]
             mem = [f.result() for f in futs]
             opened = True
             self._opened.set_result(mem)
@@ -232,12 +305,13 @@ class RankGroup:
         # The runners map the domain's windows: they must be gone before the domain's
         # release (at this run's fence), on every rank still alive after a failure too.
         # After a rank died this run takes no new task: close through call_ranks then.
+        leave = self.devices.dist
         if self.dead is None:
-            for f in [o.submit(r, _rank_close, self.runner_id) for r in o.ranks]:
+            for f in [o.submit(r, _rank_close, self.runner_id, leave) for r in o.ranks]:
                 f.result()
             return
         alive = self.worker.alive_ranks()
-        outcomes = self.worker.call_ranks(alive, _rank_close, self.runner_id,
+        outcomes = self.worker.call_ranks(alive, _rank_close, self.runner_id, leave,
                                           timeout=_CLOSE_WAIT_S + 10)
         for rank, out in outcomes.items():
             if out.error is not None:
@@ -289,3 +363,4 @@ class RankGroup:
             self._handle.wait(timeout)
         finally:
             self.worker.close()
+            self._store = None  # every rank is gone: the store's server stops with it

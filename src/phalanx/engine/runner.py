@@ -74,9 +74,11 @@ class Runner:
                  threads: int | None = None, device: str = "cpu",
                  decode_gather_bytes: int = DECODE_GATHER_BYTES) -> None:
         self.comm: TPComm = comm or SoloComm()
-        # "cuda:N" runs the shard on that GPU (with TorchDistComm over NCCL for TP);
-        # written for it, tested here on CPU only
+        # "cuda:N" runs the shard on that GPU (TP over TorchDistComm: engine/devices.py);
+        # the disk tier's pages pass through host memory then (_load_buffer, read_pages)
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # what allocates without a device lands here
         self.threads = threads or intra_op_threads(self.comm.size)
         if threads:
             torch.set_num_threads(threads)
@@ -126,7 +128,7 @@ class Runner:
                 "kv_bytes": sum(t.numel() * t.element_size() for t in self.kv),
                 "kv_heads_local": self.model.shard.kv_heads,
                 "heads_local": self.model.shard.heads,
-                "threads": self.threads}
+                "threads": self.threads, "device": str(self.device)}
 
     def read_pages(self, page_ids: Sequence[int]) -> torch.Tensor:
         """The bytes of ``page_ids`` on this rank: uint8 [n, page_bytes]."""
@@ -201,13 +203,14 @@ class Runner:
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        """Float32 logits of every token of the plan, in token order (for oracle tests)."""
+        """Float32 logits of every token of the plan, in token order, on the host (for oracle
+    tests)."""
         failures = self._prepare(plan)
         if failures:
             raise EngineError(f"step {plan.step}: disk loads failed: {failures}")
         hidden, _, _, _ = self._step(plan, sample_only=False)
         self._saves(plan)
-        return self._logits(hidden)
+        return self._logits(hidden).cpu()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with self._collectives():

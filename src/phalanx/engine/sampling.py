@@ -158,6 +158,9 @@ def sample(
     if all(s.temperature < _GREEDY_EPS and s.logprobs is None for s in specs):
         # a greedy batch: one argmax and one host transfer, not one .item() per row
         return [int(t) for t in torch.argmax(lf, dim=-1).tolist()], [None] * len(specs)
+    # the draws and logprobs read many single values: on the host, after one transfer from
+    # a GPU (not one per value), and a seed draws the same tokens whatever the device
+    lf = lf.cpu()
     tokens: list[int] = []
     out_lp: list[TokenLogprobs | None] = []
     logsm: torch.Tensor | None = None

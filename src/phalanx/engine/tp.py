@@ -273,7 +273,10 @@ class DomainComm:
 
 
 class TorchDistComm:
-    """TP over a torch.distributed process group (gloo on CPU, NCCL on CUDA)."""
+    """TP over a torch.distributed process group (gloo on CPU, NCCL on CUDA).
+
+    ``device`` is where this rank's tensors live. gloo over a GPU's tensors (ranks that
+    share one GPU) passes them through host memory: one copy each way per collective."""
 
     def __init__(self, group: Any, device: str = "cpu") -> None:
         import torch.distributed as dist
@@ -283,33 +286,43 @@ class TorchDistComm:
         self.device = torch.device(device)
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        # where the collectives' tensors must be: NCCL's on the GPU, gloo's on the host
+        self._wire = (torch.device("cpu") if self.backend == "gloo" else self.device)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place."""
         if self.size > 1:
-            self._dist.all_reduce(t, group=self.group)
+            if t.device == self._wire:
+                self._dist.all_reduce(t, group=self.group)
+            else:
+                wire = t.to(self._wire)
+                self._dist.all_reduce(wire, group=self.group)
+                t.copy_(wire)
         return t
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return t
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        self._dist.all_gather(parts, t, group=self.group)
-        return torch.cat(parts, dim=0)
+        src = t.contiguous().to(self._wire)
+        parts = [torch.empty_like(src) for _ in range(self.size)]
+        self._dist.all_gather(parts, src, group=self.group)
+        return torch.cat(parts, dim=0).to(t.device)
 
     def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
         if self.rank == root and data is None:
             raise EngineError(f"torch.distributed broadcast_bytes: root (rank {root}) "
                               f"passed no data")
         src = self._dist.get_global_rank(self.group, root)
+        wire = self._wire
         n = torch.tensor([len(data) if self.rank == root and data is not None else 0],
-                         dtype=torch.int64, device=self.device)
+                         dtype=torch.int64, device=wire)
         self._dist.broadcast(n, src=src, group=self.group)
         if self.rank == root and data is not None:
-            buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-                   if data else torch.empty(0, dtype=torch.uint8, device=self.device))
+            buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(wire)
+                   if data else torch.empty(0, dtype=torch.uint8, device=wire))
         else:
-            buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+            buf = torch.empty(int(n.item()), dtype=torch.uint8, device=wire)
         if buf.numel():
             self._dist.broadcast(buf, src=src, group=self.group)
         return data if self.rank == root and data is not None else bytes(buf.cpu().numpy())

@@ -40,13 +40,15 @@ def interface_of(addr: str) -> str:
 
 
 def join_group(store_addr: str, store_port: int, prefix: str, rank: int, world: int,
-               timeout: float, backend: str = "gloo") -> Any:
+               timeout: float, backend: str = "gloo", node_addr: str | None = None) -> Any:
     """``init_process_group`` of ``world`` ranks on the job's store; the default group.
+    ``node_addr``: this host's address in the job (default ``PHALANX_NODE_ADDR``; an
+    engine's local ranks give loopback).
 
     Raises naming this rank, its host and the store when the group does not form."""
     import torch.distributed as dist
 
-    node_addr = os.environ.get("PHALANX_NODE_ADDR")
+    node_addr = node_addr or os.environ.get("PHALANX_NODE_ADDR")
     if node_addr and backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = interface_of(node_addr)
     where = f"rank {rank} of {world} on {node_addr or socket.gethostname()}"

@@ -52,6 +52,7 @@ class ServerConfig:
     max_num_batched_tokens: int = 512
     max_waiting: int = 256
     dtype: str | None = None
+    device: str = "cpu"                      # "cpu", "cuda" or "cuda:N"
     kv_cache_bytes: int = 256 << 20
     prefix_cache_disk: str | None = None     # None: default_cache_dir(); "" : disabled
     prefix_cache_disk_bytes: int = 4 << 30
@@ -91,7 +92,7 @@ def _starter(cfg: ServerConfig, model_dir: Path, name: str, hosts: Any = None
             max_model_len=cfg.max_model_len, dtype=cfg.dtype, kv_cache_bytes=cfg.kv_cache_bytes,
             prefix_cache_disk=_disk_dir(cfg),
             prefix_cache_disk_bytes=cfg.prefix_cache_disk_bytes,
-            prefix_cache_max_age=cfg.prefix_cache_max_age,
+            prefix_cache_max_age=cfg.prefix_cache_max_age, device=cfg.device,
         ), tokenizer, eos_token_ids=None, hosts=hosts)
         return EngineDriver(engine, tokenizer, name,
                             max_pending=cfg.max_num_seqs + cfg.max_waiting, on_death=on_death)

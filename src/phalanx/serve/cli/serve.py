@@ -46,6 +46,8 @@ def _embedded(size: str) -> str:
               help="requests queued beyond the batch before a 503")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               default="auto", show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu, cuda (rank r on GPU r; TP over NCCL) or cuda:N")
 @click.option("--kv-cache-size", default="256M", show_default=True,
               help="KV memory per rank (the memory tier)")
 @click.option("--prefix-cache-disk", default=None, type=click.Path(file_okay=False),
@@ -69,7 +71,8 @@ def _embedded(size: str) -> str:
 @click.option("--master-port", default=29500, show_default=True, type=int)
 def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | None,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int,
-          max_num_batched_tokens: int, max_waiting: int, dtype: str, kv_cache_size: str,
+          max_num_batched_tokens: int, max_waiting: int, dtype: str, device: str,
+          kv_cache_size: str,
           prefix_cache_disk: str | None, prefix_cache_disk_size: str,
           prefix_cache_max_age: float | None, no_prefix_cache_disk: bool, model_size: str,
           no_restart: bool, shutdown_timeout: float, nnodes: int, node_rank: int,
@@ -83,12 +86,14 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
         raise click.BadParameter(f"{tp}: must be >= 1", param_hint="--tensor-parallel-size")
     if prefix_cache_disk and no_prefix_cache_disk:
         raise click.UsageError("--prefix-cache-disk and --no-prefix-cache-disk contradict")
+    _check_device(device, tp, nnodes)
     cfg = ServerConfig(
         model=model_dir or _embedded(model_size), tensor_parallel_size=tp, host=host,
         port=port, api_key=api_key or None, served_model_name=served_model_name,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
-        dtype=None if dtype == "auto" else dtype, kv_cache_bytes=_size(kv_cache_size),
+        dtype=None if dtype == "auto" else dtype, device=device,
+        kv_cache_bytes=_size(kv_cache_size),
         prefix_cache_disk="" if no_prefix_cache_disk else prefix_cache_disk,
         prefix_cache_disk_bytes=_size(prefix_cache_disk_size),
         prefix_cache_max_age=prefix_cache_max_age, restart=not no_restart,
@@ -100,3 +105,18 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
 
         sys.exit(serve_job(cfg, JobSpec(nnodes, node_rank, master_addr, master_port)))
     sys.exit(run_server(cfg))
+
+
+def _check_device(device: str, tp: int, nnodes: int) -> None:
+    """Refuse a device the ranks cannot run on before anything starts (the engine would
+    refuse it too, under a traceback)."""
+    from phalanx.engine.devices import resolve_devices
+    from phalanx.errors import EngineError
+
+    if nnodes > 1 and device != "cpu":
+        raise click.BadParameter(f"{device}: ranks on several hosts run on CPU only",
+                                 param_hint="--device")
+    try:
+        resolve_devices(device, tp)
+    except EngineError as exc:
+        raise click.BadParameter(str(exc), param_hint="--device") from None
