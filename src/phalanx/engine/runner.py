@@ -203,8 +203,8 @@ class Runner:
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        """Float32 logits of every token of the plan, in token order, on the host (for oracle
-    tests)."""
+        """Float32 logits of every token of the plan, in token order, on the host (for
+        oracle tests)."""
         failures = self._prepare(plan)
         if failures:
             raise EngineError(f"step {plan.step}: disk loads failed: {failures}")
