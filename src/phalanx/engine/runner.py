@@ -78,6 +78,8 @@ class Runner:
         # the disk tier's pages pass through host memory then (_load_buffer, read_pages)
         self.device = torch.device(device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # plain "cuda": the current GPU, named
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)  # what allocates without a device lands here
         self.threads = threads or intra_op_threads(self.comm.size)
         if threads:
