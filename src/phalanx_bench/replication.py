@@ -1,20 +1,26 @@
-"""``phalanx bench replication``: replicated-cache jobs beside the same jobs applied by
-one local store (the physical limit) and beside raw loopback TCP (the links' limit).
+"""``phalanx bench replication``: replicated-cache jobs beside the same jobs applied
+locally, with no peers (the physical limit), and beside raw loopback TCP (the links').
 
 A replicated job does its file work on every rank: rank 0 decides and applies it, each
 peer applies it to its own directory, and it counts once every peer acked it. So its
-ceiling is not what TCP carries but what the ranks' file work costs on the cores they
-share: the **local baseline** applies the same jobs with one ``DiskStore`` in this
-process, no peers, no links (``local_jobs_per_s``; ``of_local`` is the ratio). With 3
-ranks on 2 cores, each job's file work done 3 times, the ceiling is about 0.67x.
+ceiling is not what TCP carries but what the ranks' file work costs on the disk and
+cores they share. Two **local baselines** (``replication_local.py``) apply the same
+jobs with no peers and no links: one ``DiskStore`` in this process
+(``local_jobs_per_s``; ``of_local`` is the lane's ratio to it: the limit where each
+rank has its own disk and cores), and one store per rank, each in its own process, all
+started at once (``local_all_ranks_jobs_per_s``, one store's share; ``of_local_all_ranks``:
+the limit on this host, where the ranks share one disk and the cores).
+``local_all_ranks_of_local`` is how much running them together costs each.
 
 Where the time goes, per lane: ``cpu_us_per_job`` (CPU of each rank process, of the
-parent and of the local baseline, per job) and ``cores_busy`` (their CPU over the
-lane's wall time): a lane at 2.0 on 2 cores is bound by CPU, not by waiting.
+parent, of the one local store and, mean of its processes, of the all-ranks stores, per
+job) and ``cores_busy`` (the lane's processes' CPU over its wall time; the all-ranks
+baseline's is ``local_all_ranks_cores_busy``): 2.0 on 2 cores is bound by CPU, not by
+waiting.
 
 Everything goes through the public API: ``ReplicatedCache`` from the parent (each call
 is one run; rank 0's ``maintain`` times itself), tasks on ranks through the
-``Orchestrator``, and a KV source of this module's own (``StagedRows``: a rank's
+``Orchestrator``, and a KV source of the benchmark's own (``StagedRows``: a rank's
 staging buffer that already holds the bytes, as an engine's does).
 
 small: EXPIRE jobs of tiny records (one unlink per rank: the cheapest real job, so the
@@ -22,7 +28,8 @@ lane's and the link's cost). jobs/s from rank 0's ``maintain`` of ``--records``
 recovered records; p50/p99 of one job (a record stored, then a ``maintain`` that
 expires only it: decide, apply, send, apply on every peer, ack; rank 0's own timing).
 Local: the same directory (a copy of rank 0's, taken while closed) polled to the end;
-every local baseline runs once before its lane and once after it, on its own copy.
+every local baseline runs once before its lane and once after it, on its own copies
+(one store alone farthest from the lane on both sides, so drift weighs on both alike).
 store_1mib: stores of 1 MiB rows (4 pages of 256 KiB) on every rank, each from its own
 staging buffer; only keys cross the links. Throughput with ``--concurrency`` stores in
 flight from the parent (a server's concurrent requests); p50/p99 of single stores,
@@ -38,7 +45,6 @@ first). Local: the same directory copied and polled to the end.
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 import threading
 import time
@@ -50,41 +56,30 @@ from typing import Any
 import click
 import numpy as np
 
-from phalanx.kvstore import DiskStore, Geometry, StoreOptions
-from phalanx.replication import ReplicatedCache, rank_directories
+from phalanx.kvstore import Geometry
+from phalanx.replication import ReplicatedCache
 from phalanx.runtime import Orchestrator, Worker
 
 from ._errors import BenchError
 from ._raw_tcp import raw_jobs_per_s
 from ._rss import peak_rss, reset_peak_rss
 from ._stats import emit, percentile
+from .replication_local import (
+    BIG,
+    FINGERPRINT,
+    ROW_PAGES,
+    SMALL,
+    Jobs,
+    StagedRows,
+    Timed,
+    copy_rank0,
+    local_all_ranks,
+    local_one,
+)
 
-SMALL = Geometry(layers=1, kv_heads=1, head_dim=4, dtype="float16", page_tokens=4)
-BIG = Geometry(layers=8, kv_heads=8, head_dim=64, dtype="float16", page_tokens=16)  # 256 KiB
-ROW_PAGES = (1 << 20) // BIG.page_bytes  # 4 pages: 1 MiB rows
 # the raw baseline's frame for a small job: about one EXPIRE job's frame (107 B when
 # measured through the replication wire format; the raw figure hardly moves with it)
 SMALL_FRAME = 128
-FINGERPRINT = "bench"
-
-
-class StagedRows:
-    """A rank's KV source whose staging buffer already holds the bytes (every byte is
-    the rank), as an engine's does: ``row`` is a view, no per-call generation."""
-
-    def __init__(self, geometry: Geometry, rank: int) -> None:
-        self.page_bytes = geometry.page_bytes
-        self.rank = rank
-        self._buf = np.full(0, rank & 0xFF, dtype=np.uint8)
-
-    def row(self, keys: list[bytes], start: int) -> Any:
-        n = (len(keys) - start) * self.page_bytes
-        if self._buf.size < n:
-            self._buf = np.full(n, self.rank & 0xFF, dtype=np.uint8)
-        return self._buf[:n]
-
-    def loaded(self, keys: list[bytes], data: memoryview) -> None:
-        pass  # the benchmark loads nothing
 
 
 @dataclass(frozen=True)
@@ -102,51 +97,6 @@ def _open(w: Worker, directory: str, geometry: Geometry, links: Links,
                                 capacity_bytes=1 << 40, max_age=max_age,
                                 window=links.window, reserve=links.reserve,
                                 kv_source_factory=StagedRows)
-
-
-def _copy_rank0(directory: str, ranks: int, to: str) -> str:
-    """A copy of rank 0's (closed) directory: the local baseline applies the same jobs."""
-    src = rank_directories(directory, ranks)[0]
-    subprocess.run(["cp", "-a", src, to], check=True, timeout=600)
-    return to
-
-
-@dataclass(frozen=True)
-class Timed:
-    """One measured run: jobs done, wall seconds, CPU seconds of each process
-    (rank number, "parent" or "local")."""
-
-    jobs: int
-    seconds: float
-    cpu: dict[str, float]
-
-
-def _local_maintain(directory: str) -> Timed:
-    """Maintenance to the end by one store in this process, no peers."""
-    with DiskStore(directory, SMALL, FINGERPRINT, StoreOptions(
-            capacity_bytes=1 << 40, max_age=1e-3, progress=False)) as store:
-        jobs = 0
-        os.sync()  # untimed: no earlier phase's write-back (the copies) in this one
-        c0, t0 = time.process_time(), time.perf_counter()
-        while n := store.poll(1 << 10):
-            jobs += n
-        return Timed(jobs, time.perf_counter() - t0, {"local": time.process_time() - c0})
-
-
-def _local_stores(directory: str, tokens: list[np.ndarray]) -> Timed:
-    """``tokens``' rows stored one by one in one store, from a staged buffer."""
-    source = StagedRows(BIG, 0)
-    with DiskStore(directory, BIG, FINGERPRINT,
-                   StoreOptions(capacity_bytes=1 << 40, progress=False)) as store:
-        chains = [store.chain(t) for t in tokens]
-        os.sync()  # untimed: no earlier phase's write-back (the copies) in this one
-        c0, t0 = time.process_time(), time.perf_counter()
-        for chain in chains:
-            res = store.store(chain, source.row(chain.keys, 0))
-            if not res.stored:
-                raise BenchError(f"local baseline: a 1 MiB row was not stored: {res}")
-        return Timed(len(chains), time.perf_counter() - t0,
-                     {"local": time.process_time() - c0})
 
 
 def _cpu_now(w: Worker) -> dict[str, float]:
@@ -219,26 +169,72 @@ def _paced_stores(rc: ReplicatedCache, tokens: Callable[[], np.ndarray], interva
     return lat
 
 
-def _lane(run: Timed, local: list[Timed]) -> dict[str, Any]:
-    """A lane's throughput beside its local baseline's, run once before the lane and
+@dataclass(frozen=True)
+class Baselines:
+    """A lane's two local baselines, one store alone and one store per rank at once,
+    each run once before the lane and once after it."""
+
+    one: list[Timed]
+    all_ranks: list[Timed]
+
+
+def _baselines(one: str, all_ranks: list[str], jobs: Jobs,
+               before: Baselines | None = None) -> Baselines:
+    """Both baselines on their own directories. Before the lane (``before`` None) the
+    one-store baseline runs first, after it last: each baseline then sits as near the
+    lane on average, so a drift of the shared machine weighs on neither more."""
+    if before is None:
+        return Baselines([local_one(one, jobs)], [local_all_ranks(all_ranks, jobs)])
+    all_after = local_all_ranks(all_ranks, jobs)
+    return Baselines([*before.one, local_one(one, jobs)], [*before.all_ranks, all_after])
+
+
+def _jps(runs: list[Timed]) -> float:
+    return sum(x.jobs for x in runs) / sum(x.seconds for x in runs)
+
+
+def _lane(run: Timed, base: Baselines, ranks: int) -> dict[str, Any]:
+    """A lane's throughput beside its local baselines', run once before the lane and
     once after it, so the drift of a shared machine shows; and where the CPU went:
-    µs of CPU per job in each process, and the cores the lane kept busy."""
-    jps = run.jobs / run.seconds
-    local_jps = sum(x.jobs for x in local) / sum(x.seconds for x in local)
+    µs of CPU per job in each process, and the cores the lane kept busy.
+    ``local_all_ranks_jobs_per_s`` is one store's share (each applies every job), so
+    it compares with the lane's jobs/s as ``local_jobs_per_s`` does; its CPU per job
+    is the mean of its ``ranks`` processes."""
+    jps, local_jps, all_jps = run.jobs / run.seconds, _jps(base.one), _jps(base.all_ranks)
     cpu = {k: round(v / run.jobs * 1e6, 1) for k, v in run.cpu.items()}
-    cpu["local"] = round(sum(x.cpu["local"] for x in local)
-                         / sum(x.jobs for x in local) * 1e6, 1)
+    cpu["local"] = round(sum(x.cpu["local"] for x in base.one)
+                         / sum(x.jobs for x in base.one) * 1e6, 1)
+    all_cpu = sum(sum(x.cpu.values()) for x in base.all_ranks)
+    cpu["local_all_ranks"] = round(
+        all_cpu / (ranks * sum(x.jobs for x in base.all_ranks)) * 1e6, 1)
     return {"jobs": run.jobs, "seconds": round(run.seconds, 3), "jobs_per_s": round(jps, 1),
-            "local_jobs": local[0].jobs, "local_jobs_per_s": round(local_jps, 1),
-            "local_runs_jobs_per_s": [round(x.jobs / x.seconds, 1) for x in local],
-            "of_local": round(jps / local_jps, 3), "cpu_us_per_job": cpu,
+            "local_jobs": base.one[0].jobs, "local_jobs_per_s": round(local_jps, 1),
+            "local_runs_jobs_per_s": [round(x.jobs / x.seconds, 1) for x in base.one],
+            "of_local": round(jps / local_jps, 3),
+            "local_all_ranks_jobs_per_s": round(all_jps, 1),
+            "local_all_ranks_runs_jobs_per_s": [round(x.jobs / x.seconds, 1)
+                                                for x in base.all_ranks],
+            "of_local_all_ranks": round(jps / all_jps, 3),
+            "local_all_ranks_of_local": round(all_jps / local_jps, 3),
+            "local_all_ranks_cores_busy": round(
+                all_cpu / sum(x.seconds for x in base.all_ranks), 2),
+            "cpu_us_per_job": cpu,
             "cores_busy": round(sum(run.cpu.values()) / run.seconds, 2)}
 
 
-def _same_jobs(jobs: int, local: list[Timed]) -> None:
-    if any(x.jobs != jobs for x in local):
-        raise BenchError(f"the local baseline applied {[x.jobs for x in local]} jobs, the "
-                         f"lane {jobs}")
+def _same_jobs(jobs: int, base: Baselines) -> None:
+    done = [x.jobs for x in base.one + base.all_ranks]
+    if any(n != jobs for n in done):
+        raise BenchError(f"the local baselines applied {done} jobs, the lane {jobs}")
+
+
+def _copies(d: str, ranks: int, name: str) -> tuple[list[str], list[list[str]]]:
+    """Copies of rank 0's closed directory for both baselines, before and after the
+    lane: one each for the one-store runs, ``ranks`` each for the all-ranks runs."""
+    one = [copy_rank0(d, ranks, f"{name}-local-{i}") for i in range(2)]
+    every = [[copy_rank0(d, ranks, f"{name}-all-{i}-{r}") for r in range(ranks)]
+             for i in range(2)]
+    return one, every
 
 
 def _latency_and_raw(lane: dict[str, Any], lat: list[float], raw: float) -> None:
@@ -253,29 +249,34 @@ def _small(w: Worker, tmp: str, records: int, links: Links, ranks: int) -> dict[
     rc = _open(w, d, SMALL, links, None)
     rc.synth(records, "tree")
     rc.close()  # raises CleanupError naming every rank that failed
-    copies = [_copy_rank0(d, ranks, f"{tmp}/small-local-{i}") for i in range(2)]
-    local = [_local_maintain(copies[0])]
+    one, every = _copies(d, ranks, f"{tmp}/small")
+    base = _baselines(one[0], every[0], Jobs())
     rc = _open(w, d, SMALL, links, 1e-3)
     try:
         os.sync()  # untimed, as before every local baseline
         cpu = _cpu_now(w)
         jobs, secs = _maintained(rc)
         run = Timed(jobs, secs, _cpu_since(w, cpu))
-        local.append(_local_maintain(copies[1]))
+        base = _baselines(one[1], every[1], Jobs(), base)
         lat = _one_job_latency(rc, 200)
     finally:
         rc.close()  # raises CleanupError naming every rank that failed
-    _same_jobs(jobs, local)
-    out = _lane(run, local)
+    _same_jobs(jobs, base)
+    out = _lane(run, base, ranks)
     _latency_and_raw(out, lat, raw_jobs_per_s(SMALL_FRAME, links.window, 100_000))
     return out
 
 
-def _stores(w: Worker, tmp: str, stores: int, links: Links,
-            concurrency: int) -> dict[str, Any]:
+def _stores(w: Worker, tmp: str, stores: int, links: Links, concurrency: int,
+            ranks: int) -> dict[str, Any]:
     pt = BIG.page_tokens
     tokens = [np.arange(ROW_PAGES * pt) + 10**7 * (i + 1) for i in range(stores + 20)]
-    local = [_local_stores(f"{tmp}/big-local-0", tokens[:stores])]
+    rows = Jobs(tuple(tokens[:stores]))
+
+    def empty(i: int) -> list[str]:  # the all-ranks stores' directories, one per rank
+        return [f"{tmp}/big-all-{i}-{r}" for r in range(ranks)]
+
+    base = _baselines(f"{tmp}/big-local-0", empty(0), rows)
     rc = _open(w, f"{tmp}/big", BIG, links, None)
     try:
         lat = _timed_stores(rc, tokens[stores:])
@@ -287,10 +288,11 @@ def _stores(w: Worker, tmp: str, stores: int, links: Links,
             for f in [pool.submit(_timed_stores, rc, share) for share in shares]:
                 f.result()
         run = Timed(stores, time.perf_counter() - t0, _cpu_since(w, cpu))
-        local.append(_local_stores(f"{tmp}/big-local-1", tokens[:stores]))
+        base = _baselines(f"{tmp}/big-local-1", empty(1), rows, base)
     finally:
         rc.close()  # raises CleanupError naming every rank that failed
-    out = _lane(run, local)
+    _same_jobs(stores, base)
+    out = _lane(run, base, ranks)
     _latency_and_raw(out, lat, raw_jobs_per_s(1 << 20, links.window, 500))
     out["row_bytes"] = ROW_PAGES * BIG.page_bytes
     out["concurrency"] = concurrency
@@ -314,8 +316,8 @@ def _burst(w: Worker, tmp: str, burst: int, links: Links, ranks: int, requests: 
     rc.synth(burst, "tree")
     synth_s = time.perf_counter() - t0
     rc.close()  # raises CleanupError naming every rank that failed
-    copies = [_copy_rank0(d, ranks, f"{tmp}/burst-local-{i}") for i in range(2)]
-    local = [_local_maintain(copies[0])]
+    one, every = _copies(d, ranks, f"{tmp}/burst")
+    base = _baselines(one[0], every[0], Jobs())
     t0 = time.perf_counter()
     rc = _open(w, d, SMALL, links, 1e-3)
     open_s = time.perf_counter() - t0
@@ -344,13 +346,15 @@ def _burst(w: Worker, tmp: str, burst: int, links: Links, ranks: int, requests: 
         peaks = _on_every_rank(w, peak_rss)
         idle += _paced_stores(rc, request_tokens, interval, threading.Event(),
                               requests - requests // 2)
-        local.append(_local_maintain(copies[1]))
+        base = _baselines(one[1], every[1], Jobs(), base)
     finally:
         rc.close()  # raises CleanupError naming every rank that failed
     if not during:
         raise BenchError("no store request completed during the burst")
-    # jobs: the burst's and the expiries of the requests' own records (a few hundred)
-    out = _lane(run, local)
+    # the lane's jobs: the burst's and the expiries of the requests' own records (a few
+    # hundred), so only the baselines must agree among themselves
+    _same_jobs(base.one[0].jobs, base)
+    out = _lane(run, base, ranks)
     out.update({"peak_rss_mb": {str(r): round(v, 1) for r, v in peaks.items()},
                 "rss_before_mb": {str(r): round(v[1], 1) for r, v in rss_before.items()},
                 "peak_reset": all(v[0] for v in rss_before.values()),
@@ -387,7 +391,8 @@ def command(peers: int, records: int, stores: int, concurrency: int, burst: int,
             requests: int, interval_ms: float, window: int, reserve: int | None,
             rank_scheduler: str,
             as_json: bool) -> None:
-    """Replication vs one local store and raw TCP; requests and memory in a burst."""
+    """Replication vs local stores (one alone, one per rank at once) and raw TCP;
+    requests and memory in a burst."""
     ranks = peers + 1
     out: dict[str, Any] = {"ranks": ranks, "cpus": os.cpu_count(),
                            "rank_scheduler": rank_scheduler, "window": window,
@@ -396,6 +401,6 @@ def command(peers: int, records: int, stores: int, concurrency: int, burst: int,
     with (tempfile.TemporaryDirectory() as tmp,
           Worker(ranks=ranks, rank_scheduler=rank_scheduler) as w):
         out["small"] = _small(w, tmp, records, links, ranks)
-        out["store_1mib"] = _stores(w, tmp, stores, links, concurrency)
+        out["store_1mib"] = _stores(w, tmp, stores, links, concurrency, ranks)
         out.update(_burst(w, tmp, burst, links, ranks, requests, interval_ms / 1e3))
     emit(out, as_json)
