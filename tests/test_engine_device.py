@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -18,10 +17,10 @@ import pytest
 import torch
 
 from engine_oracle import PROMPT, hf_reference, write_checkpoint
-from phalanx.engine._errors import EngineError
 from phalanx.engine.devices import DevicePlan, plan_devices, resolve_devices
 from phalanx.engine.llm import LLM
 from phalanx.engine.sampling import SamplingParams
+from phalanx.errors import EngineError
 
 PT = 16
 NO_CUDA = not torch.cuda.is_available()
@@ -133,10 +132,8 @@ def test_tp2_over_a_local_torch_distributed_group(model_dir: Path, reference: li
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_cuda_without_cuda_is_refused_at_start(model_dir: Path, device: str) -> None:
     before = _children()
-    t0 = time.monotonic()
     with pytest.raises(EngineError, match=r"torch.cuda.is_available\(\) is False"):
         LLM(model_dir, tensor_parallel_size=1, device=device)
-    assert time.monotonic() - t0 < 30
     assert _children() <= before        # refused before any rank process existed
 
 
