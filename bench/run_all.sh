@@ -10,15 +10,22 @@ if pgrep -af "phalanx bench" >/dev/null; then
   echo "another benchmark is running (pgrep -af 'phalanx bench'): one at a time" >&2
   exit 1
 fi
+# serve runs twice: on the embedded model, and on the engine benchmark's larger size,
+# where a miss's compute outweighs the server's fixed part of a request
+large=$(mktemp -d /tmp/phx-bench-large-XXXXXX)
+trap 'rm -rf "$large"' EXIT
+"$phx" model init "$large/m8x512" --layers 8 --hidden 512 >/dev/null
 declare -A args=([worker]="--ranks 2" [rendezvous]="--ranks 2" [domains]="--ranks 2 --cycles 1000"
-                 [cache-disk]="--reps 5" [replication]="--peers 2" [multihost]="--repeats 3")
-for b in worker rendezvous domains cache-disk replication multihost; do
+                 [cache-disk]="--reps 5" [replication]="--peers 2" [engine]=""
+                 [serve]="" [serve-8x512]="--model $large/m8x512" [multihost]="--repeats 3")
+for name in worker rendezvous domains cache-disk replication engine serve serve-8x512 multihost; do
+  b=${name%-8x512}
   # multihost makes network namespaces: root and iproute2's ip only
   if [[ $b == multihost ]] && { [[ $(id -u) != 0 ]] || ! command -v ip >/dev/null; }; then
     echo "== $b skipped: network namespaces need root and iproute2's ip" >&2
     continue
   fi
-  echo "== $b ${args[$b]}" >&2
+  echo "== $name ${args[$name]}" >&2
   # shellcheck disable=SC2086  (the arguments are words)
-  "$phx" bench "$b" ${args[$b]} --json | tail -n 1 | tee "$out/$b.json" >>"$out/$b.runs.jsonl"
+  "$phx" bench "$b" ${args[$name]} --json | tail -n 1 | tee "$out/$name.json" >>"$out/$name.runs.jsonl"
 done
