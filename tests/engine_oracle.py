@@ -16,6 +16,7 @@ import torch
 
 from phalanx.engine.plan import PageLoad, SamplingSpec, SeqChunk, StepPlan
 from phalanx.engine.runner import Runner
+from phalanx.engine.sampling import SamplingParams
 
 _SCALE = 5.0
 PROMPT = [(7 * i + 3) % 251 + 3 for i in range(37)]   # 37 tokens: 3 pages of 16, ragged
@@ -24,6 +25,11 @@ NEW_TOKENS = 32
 # float32 throughout: the engine and transformers compute the same ops in a slightly
 # different order (a packed q/k/v matmul, paged gathers), so logits agree to rounding.
 ATOL = 1e-4
+
+
+def greedy(n: int) -> SamplingParams:
+    """Greedy sampling of exactly ``n`` tokens (EOS ignored): what the oracle compares."""
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def write_checkpoint(path: Path, arch: str = "llama", *, seed: int = 0,

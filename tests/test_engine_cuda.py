@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_oracle import write_checkpoint
+from engine_oracle import greedy, write_checkpoint
 from phalanx.engine.llm import LLM
-from phalanx.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="torch has no CUDA here")
@@ -25,10 +24,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 PT = 16
 NEW = 24
 PROMPTS = [[(11 * i + 5 * n) % 250 + 3 for i in range(n)] for n in (5, 37, 64)]
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

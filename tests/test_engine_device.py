@@ -16,18 +16,13 @@ import psutil
 import pytest
 import torch
 
-from engine_oracle import PROMPT, hf_reference, write_checkpoint
+from engine_oracle import PROMPT, greedy, hf_reference, write_checkpoint
 from phalanx.engine.devices import DevicePlan, plan_devices, resolve_devices
 from phalanx.engine.llm import LLM
-from phalanx.engine.sampling import SamplingParams
 from phalanx.errors import EngineError
 
 PT = 16
 NO_CUDA = not torch.cuda.is_available()
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 # -- the plan (pure) ----------------------------------------------------------------------

@@ -17,10 +17,9 @@ from typing import Any
 
 import pytest
 
-from engine_oracle import write_checkpoint
+from engine_oracle import greedy, write_checkpoint
 from phalanx.engine.llm import LLM
 from phalanx.engine.plan import StepPlan, StepResult
-from phalanx.engine.sampling import SamplingParams
 from phalanx.engine.scheduler import InMemoryTier, Scheduler, SchedulerConfig
 from phalanx.engine.sequence import SeqStatus, Sequence
 from phalanx.kvstore.keys import page_keys
@@ -84,10 +83,6 @@ def test_a_failed_load_is_undone_and_recomputed_by_the_scheduler() -> None:
     assert a.output_tokens == reference(a.prompt_tokens, 2)
     assert b.output_tokens == reference(b.prompt_tokens, 2)
     assert decoding.output_tokens == reference(decoding.prompt_tokens, 6)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
