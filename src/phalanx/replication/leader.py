@@ -14,12 +14,18 @@ Two lanes share each link's window:
   incident: regression test
   ``test_replication_incident.py::test_recovered_chain_needs_maintenance_everywhere``),
   and a store arriving mid-burst finds at most ``window - reserve`` ops ahead of it.
-  For ``_BUSY_S`` after any request, the lane keeps at most ``window // 8`` ops in
+  For ``_BUSY_S`` after any request, the lane keeps at most ``window // 4`` ops in
   flight (``busy_reserve``): a request's store waits behind every maintenance op
-  already queued on each peer (peers apply in order), and with 48 unlinks ahead of it
-  its p99 during a 100,000-job burst was 4.5-7.1x its idle p99; with 8 it is
-  1.35-1.56x, for 22% of the burst's jobs/s while requests keep coming (BENCHMARKS.md).
-  With no request in the last second the lane has its whole share again.
+  already queued on each peer (peers apply in order). With 48 unlinks ahead of it its
+  p99 during a 100,000-job burst was 4.5-7.1x its idle p99; since the lane is
+  pipelined (below), 16 ahead cost 0.8-1.1x, and 32 bought no jobs/s over 16
+  (BENCHMARKS.md). With no request in the last second the lane has its whole share.
+
+Pipelining. The lane decides and sends in chunks of ``window // 8`` (at most half its
+share), and peers ack every few ops (replica.py), so rank 0 applies one chunk while
+the peers apply the one before. Deciding a whole share and sending it at the end,
+with peers acking only when their buffer ran dry, made the three ranks take turns:
+0.71 cores busy, 0.36-0.38x one local store (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -96,12 +102,13 @@ class Leader:
         # maintenance may take is reckoned from it
         self._window = min((ln.window for ln in links.values()), default=0)
         # the credits maintenance leaves free while requests are recent (see the module doc)
-        self.busy_reserve = max(reserve, self._window - max(1, self._window // 8))
+        self.busy_reserve = max(reserve, self._window - max(1, self._window // 4))
         self._last_request = float("-inf")  # when the last request-lane call ended
         self._collector = collector
         self._order = threading.Lock()
         self._requests = 0  # request-lane calls in progress: maintenance yields to them
         self._req_lock = threading.Lock()
+        self._no_requests = threading.Condition(self._req_lock)  # _requests fell to 0
         self._now = now
         self.jobs_sent: collections.Counter[str] = collections.Counter()
 
@@ -116,6 +123,8 @@ class Leader:
             with self._req_lock:
                 self._requests -= 1
                 self._last_request = self._now()
+                if not self._requests:
+                    self._no_requests.notify_all()
 
     def _reserve_now(self) -> int:
         """The credits maintenance must leave free now: more while requests are recent."""
@@ -259,14 +268,24 @@ class Leader:
         room = min(room, max_jobs)
         if room <= 0:
             return None
-        with self._order:
-            with self._collector.collect() as jobs:
-                self.store.poll(room)
-            for link in self.links.values():
-                link.submit_jobs(jobs)
-        for job in jobs:
-            self.jobs_sent[job.kind.value] += 1
-        return len(jobs)
+        # Decide and send in chunks: peers start on the first chunk while rank 0 applies
+        # the next (sending the whole room at the end kept them idle meanwhile), and a
+        # request waits for the order lock at most one chunk.
+        chunk = max(1, min(self._window // 8, (self._window - reserve) // 2))
+        done = 0
+        while done < room:
+            want = min(chunk, room - done)
+            with self._order:
+                with self._collector.collect() as jobs:
+                    self.store.poll(want)
+                for link in self.links.values():
+                    link.submit_jobs(jobs)
+            for job in jobs:
+                self.jobs_sent[job.kind.value] += 1
+            done += len(jobs)
+            if len(jobs) < want or self._requests:
+                break  # nothing left for now, or requests first
+        return done
 
     def maintain(self, timeout: float | None = None) -> MaintainReport:
         """Run maintenance to completion on every rank (decided, applied, acked)."""
@@ -281,8 +300,10 @@ class Leader:
                 break  # the scheduler has nothing left
             if n is not None:
                 continue
-            if self._requests:
-                time.sleep(0.001)  # requests first; they finish within their acks
+            if self._requests:  # requests first; they finish within their acks
+                with self._no_requests:
+                    self._no_requests.wait_for(lambda: not self._requests,
+                                               _left(t0, timeout, self._now))
                 continue
             report.waits_for_credits += 1
             # A full window means wait for the slowest peer's credits, never "broken".

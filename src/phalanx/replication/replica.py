@@ -2,7 +2,9 @@
 
 One thread per replica reads ops in order, applies each to the rank's DiskStore with
 bytes from the rank's KV source, and acks. Acks of a run of ops that arrived together go
-back in one send (the leader's window refills in batches). Ops are applied strictly in
+back in one send, but at least every ``_ACK_EVERY`` ops: a peer that applied a whole
+window before acking it kept rank 0 waiting for credits meanwhile, so the ranks took
+turns instead of working at once (BENCHMARKS.md, the small lane). Ops are applied strictly in
 arrival order: rank 0 sent them in the order it applied them itself, so both directories
 pass through the same states.
 
@@ -49,6 +51,7 @@ log = logging.getLogger("phalanx.replication")
 _FP_APPLY = Failpoint("cache.replica.apply", "a peer is about to apply one of rank 0's ops")
 _BYE_GRACE_S = 5.0  # how long a closing peer waits for rank 0's BYE
 _CHAINS = 16  # recent prefixes kept: a store usually extends the previous one
+_ACK_EVERY = 4  # ops applied before an ack goes back even while more are buffered
 
 
 class Replica:
@@ -112,6 +115,7 @@ class Replica:
         # digest, a crc) are always sent.
         acks: list[bytes] = []
         plain = 0  # seq of the last plain ack not sent yet (0: none)
+        unacked = 0  # ops applied since the last send
         try:
             while not self._stop.is_set():
                 frame = self._reader.read()
@@ -126,12 +130,15 @@ class Replica:
                     plain = 0
                 else:
                     plain = ack.seq
-                if isinstance(frame, Bye) or not self._reader.buffered():
+                unacked += 1
+                if (isinstance(frame, Bye) or unacked >= _ACK_EVERY
+                        or not self._reader.buffered()):
                     if plain:
                         acks.append(encode(Ack(plain)))
                         plain = 0
                     self._sock.sendall(b"".join(acks))
                     acks.clear()
+                    unacked = 0
                 if isinstance(frame, Bye):
                     return
         except ReplicationError as exc:
