@@ -52,3 +52,10 @@ def nothing_left_behind() -> Iterator[None]:
         lines = [f"  {kind}: {items[:20]}" for kind, items in grown.items()]
         pytest.fail("the test suite left resources behind:\n" + "\n".join(lines), pytrace=False)
     _RUNTIME_DIR.rmdir()  # fails (and so fails the run) if anything is left in it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A session whose tests were all skipped or deselected never set the fixture above
+    up, so its (empty) runtime dir goes here; the fixture removed it otherwise."""
+    if _RUNTIME_DIR.is_dir():
+        _RUNTIME_DIR.rmdir()  # a leak in it fails loudly here too
