@@ -27,9 +27,10 @@ NEW_TOKENS = 32
 ATOL = 1e-4
 
 
-def greedy(n: int) -> SamplingParams:
-    """Greedy sampling of exactly ``n`` tokens (EOS ignored): what the oracle compares."""
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+def greedy(n: int, **kw: Any) -> SamplingParams:
+    """Greedy sampling of exactly ``n`` tokens (EOS ignored): what the oracle compares;
+    ``kw``: further SamplingParams fields (logprobs, stop, ...)."""
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
 def write_checkpoint(path: Path, arch: str = "llama", *, seed: int = 0,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine_oracle import PROMPT, hf_reference, write_checkpoint
+from engine_oracle import PROMPT, greedy, hf_reference, write_checkpoint
 from phalanx.engine._errors import EngineDeadError, RequestError
 from phalanx.engine.llm import LLM
 from phalanx.engine.sampling import SamplingParams
@@ -78,10 +78,6 @@ def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=n, min_new_tokens=n)
     return list(out[0, len(prompt):].tolist())
-
-
-def greedy(n: int, **kw: object) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
 
 def test_greedy_equals_transformers_at_tp2(llm: LLM, model_dir: Path) -> None:

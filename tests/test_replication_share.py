@@ -102,9 +102,10 @@ def test_a_peer_acks_a_long_run_of_ops_as_it_applies_them(tmp_path: Path) -> Non
     ops.append(Bye(len(ops) + 1))
     # all of it buffered before the replica reads: one recv takes every frame
     leader_end.sendall(b"".join(encode(op) for op in ops))
-    replica = Replica(1, store, SyntheticSource(GEOM, 1), peer_end,
-                      FrameReader(peer_end, "rank 0"), StagedRows(1), 5.0)
+    replica: Replica | None = None
     try:
+        replica = Replica(1, store, SyntheticSource(GEOM, 1), peer_end,
+                          FrameReader(peer_end, "rank 0"), StagedRows(1), 5.0)
         acks: list[int] = []
         reader = FrameReader(leader_end, "peer rank 1")
         leader_end.settimeout(10.0)
@@ -115,6 +116,8 @@ def test_a_peer_acks_a_long_run_of_ops_as_it_applies_them(tmp_path: Path) -> Non
         assert acks == [4, 8, 12, 16, 20, 21]
         assert store.record_states() == {}  # every expiry applied on the peer
     finally:
-        replica.close(10.0)
+        if replica is not None:
+            replica.close(10.0)  # closes peer_end, the replica's socket
+        peer_end.close()  # idempotent: still ours if the replica was never made
         leader_end.close()
         store.close()
