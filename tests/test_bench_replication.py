@@ -12,11 +12,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 
+from phalanx.kvstore import DiskStore, StoreOptions
 from phalanx_bench._errors import BenchError
-from phalanx_bench.replication_local import Jobs, local_all_ranks
+from phalanx_bench.replication_local import (
+    FINGERPRINT,
+    SMALL,
+    Jobs,
+    StagedRows,
+    local_all_ranks,
+    local_one_with_requests,
+)
 
 PHALANX = str(Path(sys.executable).parent / "phalanx")
 TINY = ["--records", "100", "--stores", "4", "--burst", "300", "--requests", "4"]
@@ -50,6 +59,26 @@ def test_every_lane_has_both_local_baselines() -> None:
     req = r["requests_during_burst"]
     assert all(_positive(req[k]) for k in ("idle_p99_us", "burst_p99_us"))
     assert set(r["burst"]["peak_rss_mb"]) == {"0", "1", "2"}
+    burst = r["burst"]
+    assert burst["local_with_requests_requests"] >= 1
+    assert burst["of_local_with_requests"] == pytest.approx(
+        burst["jobs_per_s"] / burst["local_with_requests_jobs_per_s"], rel=0.01)
+
+
+def test_the_baseline_with_requests_stores_them_beside_the_maintenance(
+        tmp_path: Path) -> None:
+    d = str(tmp_path / "store")
+    with DiskStore(d, SMALL, FINGERPRINT, StoreOptions(capacity_bytes=1 << 30)) as store:
+        source = StagedRows(SMALL, 0)
+        for i in range(50):
+            chain = store.chain(np.arange(4 * SMALL.page_tokens) + 1000 * i)
+            assert store.store(chain, source.row(chain.keys, 0)).stored
+    run, requests = local_one_with_requests(d, 0.001)
+    assert requests >= 1
+    assert run.jobs >= 50  # every record of the directory expired (max_age 1 ms)
+    with DiskStore(d, SMALL, FINGERPRINT, StoreOptions(capacity_bytes=1 << 30)) as store:
+        # the requests' records, those not expired yet, are all that is left
+        assert len(store.record_states()) <= 2 * requests
 
 
 def test_a_store_that_cannot_open_fails_the_baseline_and_leaves_nothing(

@@ -39,7 +39,11 @@ directory, with store requests issued from the parent all through it
 (``requests_during_burst``: their p99 against the p99 of the same requests issued
 just before and just after it, with no maintenance running; one every
 ``--request-interval-ms``); peak RSS of every rank during the burst (VmHWM reset
-first). Local: the same directory copied and polled to the end.
+first). Local: the same directory copied and polled to the end; and once more, after
+the lane, with the lane's request stream (one fresh record stored every
+``--request-interval-ms`` while it polls: ``local_with_requests_jobs_per_s``, and the
+lane's ratio to it, ``of_local_with_requests``). The lane's requests are work the plain
+baselines never do; this one does it too, on one store.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ from .replication_local import (
     copy_rank0,
     local_all_ranks,
     local_one,
+    local_one_with_requests,
 )
 
 # the raw baseline's frame for a small job: about one EXPIRE job's frame (107 B when
@@ -317,6 +322,7 @@ def _burst(w: Worker, tmp: str, burst: int, links: Links, ranks: int, requests: 
     synth_s = time.perf_counter() - t0
     rc.close()  # raises CleanupError naming every rank that failed
     one, every = _copies(d, ranks, f"{tmp}/burst")
+    with_requests = copy_rank0(d, ranks, f"{tmp}/burst-local-requests")
     base = _baselines(one[0], every[0], Jobs())
     t0 = time.perf_counter()
     rc = _open(w, d, SMALL, links, 1e-3)
@@ -349,12 +355,17 @@ def _burst(w: Worker, tmp: str, burst: int, links: Links, ranks: int, requests: 
         base = _baselines(one[1], every[1], Jobs(), base)
     finally:
         rc.close()  # raises CleanupError naming every rank that failed
+    local_req, local_requests = local_one_with_requests(with_requests, interval)
     if not during:
         raise BenchError("no store request completed during the burst")
     # the lane's jobs: the burst's and the expiries of the requests' own records (a few
     # hundred), so only the baselines must agree among themselves
     _same_jobs(base.one[0].jobs, base)
     out = _lane(run, base, ranks)
+    req_jps = local_req.jobs / local_req.seconds
+    out.update({"local_with_requests_jobs_per_s": round(req_jps, 1),
+                "local_with_requests_requests": local_requests,
+                "of_local_with_requests": round(out["jobs_per_s"] / req_jps, 3)})
     out.update({"peak_rss_mb": {str(r): round(v, 1) for r, v in peaks.items()},
                 "rss_before_mb": {str(r): round(v[1], 1) for r, v in rss_before.items()},
                 "peak_reset": all(v[0] for v in rss_before.values()),

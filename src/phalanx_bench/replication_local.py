@@ -23,6 +23,7 @@ import pickle
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,6 +127,58 @@ def local_one(directory: str, jobs: Jobs) -> Timed:
         c0, t0 = time.process_time(), time.perf_counter()
         done = apply()
         return Timed(done, time.perf_counter() - t0, {"local": time.process_time() - c0})
+
+
+def local_one_with_requests(directory: str, interval: float) -> tuple[Timed, int]:
+    """Maintenance to the end by one store in this process while a thread stores one
+    fresh 2-page record every ``interval`` seconds: the burst lane's request stream on
+    the lane's own work, with no peers. Returns the run (its jobs include the expiries
+    of the requests' records, as the lane's do) and the requests stored.
+
+    The polls take 8 jobs at a time, the lane's chunk, so a request waits for the
+    store's mutex as long as it waits for rank 0's order lock in the lane. They start
+    once the first request is stored (inside the timed part), so a burst shorter than
+    the interval still carries one."""
+    errors: list[BaseException] = []
+    stored = 0
+    done, first = threading.Event(), threading.Event()
+    pt = SMALL.page_tokens
+    with _open(directory, Jobs()) as store:
+        source = StagedRows(SMALL, 0)
+
+        def requests() -> None:
+            nonlocal stored
+            due = time.monotonic()
+            try:
+                while not done.wait(max(0.0, due - time.monotonic())):
+                    due += interval
+                    chain = store.chain(np.arange(2 * pt) + 2 * pt * stored + 10**9)
+                    if not store.store(chain, source.row(chain.keys, 0)).stored:
+                        raise BenchError(f"local baseline: request {stored} was not stored")
+                    stored += 1
+                    first.set()
+            except BaseException as e:  # noqa: BLE001  re-raised in the caller's thread
+                errors.append(e)
+            finally:
+                first.set()
+
+        os.sync()  # untimed: no earlier phase's write-back (the copies) in this one
+        thread = threading.Thread(target=requests, name="bench-local-requests")
+        c0, t0 = time.process_time(), time.perf_counter()
+        thread.start()
+        try:
+            if not first.wait(CHILD_DEADLINE_S):
+                raise BenchError("local baseline: the first request was not stored in time")
+            jobs = 0
+            while not errors and (n := store.poll(8)):
+                jobs += n
+        finally:
+            done.set()
+            thread.join()
+        run = Timed(jobs, time.perf_counter() - t0, {"local": time.process_time() - c0})
+    if errors:
+        raise errors[0]
+    return run, stored
 
 
 def _child_main() -> None:

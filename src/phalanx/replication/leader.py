@@ -7,7 +7,9 @@ arrival order and passes through the same states.
 Two lanes share each link's window:
 
 * request lane (``store``, ``load``): never waits to be queued; may use the whole
-  window; while any request is waiting, maintenance issues nothing new.
+  window; while any request is being decided and queued, maintenance issues nothing
+  new (once queued, a request waits for its acks while maintenance goes on: what it
+  queues then lands behind the request's op on every link).
 * maintenance lane (``poll``/``maintain``): decides jobs from the Scheduler only while
   every link has room beyond ``reserve`` credits, so a burst of any size is a stream
   throttled by the slowest peer, never a flood of queued frames (the DESIGN.md
@@ -143,30 +145,32 @@ class Leader:
         returns rank 0's result once every peer acked (a peer's failure raises the
         link's error). ``wait=False`` returns once queued (bulk writers: they wait for
         credits first with ``wait_room`` and ``drain`` at the end)."""
-        with self._request():
-            with self._order:
-                keys = chain.keys
-                cached = self.store.lookup(chain)
-                start = min(cached, len(keys) - 1)
-                if from_page is not None:
-                    start = min(start, from_page)
-                with self._collector.collect() as evicted:
-                    res = self.store.store(chain, self.source.row(keys, start))
-                if not res.stored and not evicted:
-                    return res
-                op_start = res.start_page
-                seqs = {}
-                for rank, link in self.links.items():
-                    link.submit_jobs(evicted)
-                    if res.stored:
-                        seqs[rank] = link.submit(lambda s: StoreOp(
-                            s, keys[op_start - 1] if op_start else ROOT_KEY, op_start,
-                            keys[op_start:]))
-                for job in evicted:
-                    self.jobs_sent[job.kind.value] += 1
-            for rank, seq in seqs.items() if wait else ():
-                self.links[rank].wait_acked(seq)
-            return res
+        # Maintenance yields while the request decides and queues; not while it waits
+        # for acks: what maintenance queues then goes behind the request's op on every
+        # link, so it cannot delay it, and the ranks do not idle meanwhile.
+        with self._request(), self._order:
+            keys = chain.keys
+            cached = self.store.lookup(chain)
+            start = min(cached, len(keys) - 1)
+            if from_page is not None:
+                start = min(start, from_page)
+            with self._collector.collect() as evicted:
+                res = self.store.store(chain, self.source.row(keys, start))
+            if not res.stored and not evicted:
+                return res
+            op_start = res.start_page
+            seqs = {}
+            for rank, link in self.links.items():
+                link.submit_jobs(evicted)
+                if res.stored:
+                    seqs[rank] = link.submit(lambda s: StoreOp(
+                        s, keys[op_start - 1] if op_start else ROOT_KEY, op_start,
+                        keys[op_start:]))
+            for job in evicted:
+                self.jobs_sent[job.kind.value] += 1
+        for rank, seq in seqs.items() if wait else ():
+            self.links[rank].wait_acked(seq)
+        return res
 
     def wait_room(self, timeout: float | None = None) -> None:
         """Until every link has a credit beyond the reserve (bulk writers' throttle)."""
@@ -176,27 +180,27 @@ class Leader:
     def load_chain(self, chain: KeyChain, n_pages: int) -> dict[int, int]:
         """Every rank loads pages 0..n-1 of its shard into its KV source; returns the
         crc32 of the bytes each rank loaded (rank -> crc)."""
-        with self._request():
-            keys = chain.keys[:n_pages]
-            prefix = KeyChain(keys, chain.page_tokens, chain.fingerprint)
-            with self._order:  # peers load before any later eviction reaches them,
-                pins = self.store.lookup_pin([prefix])  # and none is decided here
-                if pins.pages[0] < n_pages:  # refused before any peer is asked
-                    self.store.unpin(pins)
-                    raise NotCachedError(
-                        f"load of {n_pages} pages from {self.store.directory}: only "
-                        f"{pins.pages[0]} cached; call lookup() first")
-                seqs = {r: ln.submit(lambda s: LoadOp(s, keys), want_reply=True)
-                        for r, ln in self.links.items()}
-            try:  # read outside the order lock: stores and maintenance go on meanwhile
-                view = self.store.load(prefix, n_pages)
-            finally:
+        keys = chain.keys[:n_pages]
+        prefix = KeyChain(keys, chain.page_tokens, chain.fingerprint)
+        # maintenance yields while the loads are decided and queued (as for a store)
+        with self._request(), self._order:  # peers load before any later eviction
+            pins = self.store.lookup_pin([prefix])  # reaches them, and none is decided here
+            if pins.pages[0] < n_pages:  # refused before any peer is asked
                 self.store.unpin(pins)
-            self.source.loaded(keys, view)
-            crcs = {0: zlib.crc32(view)}
-            for rank, seq in seqs.items():
-                crcs[rank] = self.links[rank].reply(seq).crc
-            return crcs
+                raise NotCachedError(
+                    f"load of {n_pages} pages from {self.store.directory}: only "
+                    f"{pins.pages[0]} cached; call lookup() first")
+            seqs = {r: ln.submit(lambda s: LoadOp(s, keys), want_reply=True)
+                    for r, ln in self.links.items()}
+        try:  # read outside the order lock: stores and maintenance go on meanwhile
+            view = self.store.load(prefix, n_pages)
+        finally:
+            self.store.unpin(pins)
+        self.source.loaded(keys, view)
+        crcs = {0: zlib.crc32(view)}
+        for rank, seq in seqs.items():
+            crcs[rank] = self.links[rank].reply(seq).crc
+        return crcs
 
     def lookup(self, tokens: Tokens | KeyChain) -> int:
         return self.store.lookup(tokens)

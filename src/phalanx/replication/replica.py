@@ -131,7 +131,8 @@ class Replica:
                 else:
                     plain = ack.seq
                 unacked += 1
-                if (isinstance(frame, Bye) or unacked >= _ACK_EVERY
+                # a request's op (a store, a load) is acked at once: its caller waits
+                if (isinstance(frame, (Bye, StoreOp, LoadOp)) or unacked >= _ACK_EVERY
                         or not self._reader.buffered()):
                     if plain:
                         acks.append(encode(Ack(plain)))
