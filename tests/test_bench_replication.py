@@ -67,6 +67,8 @@ def test_every_lane_has_both_local_baselines() -> None:
 
 def test_the_baseline_with_requests_stores_them_beside_the_maintenance(
         tmp_path: Path) -> None:
+    """The burst's third baseline stores its requests while it expires every record of
+    the directory, and only the requests' records can be left."""
     d = str(tmp_path / "store")
     with DiskStore(d, SMALL, FINGERPRINT, StoreOptions(capacity_bytes=1 << 30)) as store:
         source = StagedRows(SMALL, 0)

@@ -159,12 +159,17 @@ def test_maintenance_goes_on_while_a_request_waits_for_its_acks(
     """Once a request's op is queued, maintenance decides again while the request waits
     for its ack: what it queues lands behind the op, so it cannot delay it, and the
     ranks do not idle through every request (BENCHMARKS.md)."""
-    lead, _, _, peer = leader
+    lead, link, _, peer = leader
     toks = np.arange(2 * PT) + 7
     with ThreadPoolExecutor(1, thread_name_prefix="test-request") as pool:
         request = pool.submit(lead.store_chain, lead.store.chain(toks))
         deadline = time.monotonic() + 30
-        decided = 0  # 0 until the request's op is queued (the lane yields until then)
+        # first its op on the link: a poll before the request began would take the
+        # whole share, as no request is recent yet
+        while _outstanding(link) < 1 and time.monotonic() < deadline:
+            pass
+        assert _outstanding(link) == 1, "the request's op was never queued"
+        decided = 0  # 0 until the request leaves the order lock (the lane yields)
         while not decided and time.monotonic() < deadline:
             decided = lead.poll(1000)
         assert decided == WINDOW - lead.busy_reserve - 1  # the busy share, less the op

@@ -105,7 +105,7 @@ class Leader:
         self._window = min((ln.window for ln in links.values()), default=0)
         # the credits maintenance leaves free while requests are recent (see the module doc)
         self.busy_reserve = max(reserve, self._window - max(1, self._window // 4))
-        self._last_request = float("-inf")  # when the last request-lane call ended
+        self._last_request = float("-inf")  # when a request last left the lane (queued)
         self._collector = collector
         self._order = threading.Lock()
         self._requests = 0  # request-lane calls in progress: maintenance yields to them
