@@ -92,6 +92,7 @@ class Server:
             if line is not None:
                 m = READY.search(line)
                 if m:
+                    self.ready_line = line
                     return m.group(1)
                 continue
             self.proc.kill()

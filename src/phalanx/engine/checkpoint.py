@@ -15,14 +15,16 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Checkpoint", "LoadReport", "weights_digest"]
+    from .quant import QuantTensor
+
+__all__ = ["Checkpoint", "LoadReport", "WeightSource", "open_checkpoint", "weights_digest"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -42,6 +44,34 @@ class LoadReport:
     def to_dict(self) -> dict[str, Any]:
         return {"missing": self.missing, "unexpected": self.unexpected,
                 "tensors": self.tensors, "bytes_read": self.bytes_read}
+
+
+class WeightSource(Protocol):
+    """What the layers read weights through: a safetensors directory (:class:`Checkpoint`)
+    or a GGUF file (:class:`~phalanx.engine.gguf_model.GGUFCheckpoint`)."""
+
+    dir: Path
+
+    def __contains__(self, name: str) -> bool: ...
+    def shape(self, name: str) -> list[int]: ...
+    def read(self, name: str, dim: int | None = None, start: int = 0,
+             stop: int | None = None) -> torch.Tensor | None: ...
+    def read_quantized(self, name: str, dim: int, start: int,
+                       stop: int) -> QuantTensor | None: ...
+    def skip(self, name: str) -> None: ...
+    def report(self) -> LoadReport: ...
+    def close(self) -> None: ...
+
+
+def open_checkpoint(path: str | Path) -> WeightSource:
+    """The weights at ``path``: a GGUF file, else a safetensors model directory."""
+    from .gguf_file import is_gguf
+
+    if is_gguf(path):
+        from .gguf_model import GGUFCheckpoint
+
+        return GGUFCheckpoint(path)
+    return Checkpoint(path)
 
 
 def _files(model_dir: Path) -> dict[str, Path]:
@@ -147,6 +177,11 @@ class Checkpoint:
         self.report_.tensors += 1
         self.report_.bytes_read += t.numel() * t.element_size()
         return t  # type: ignore[no-any-return]
+
+    def read_quantized(self, name: str, dim: int, start: int,
+                       stop: int) -> QuantTensor | None:
+        """safetensors weights are never block-quantized: read them with :meth:`read`."""
+        return None
 
     def skip(self, name: str) -> None:
         """Mark ``name`` as deliberately unread (a tied LM head stored anyway)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +65,39 @@ class ModelConfig:
     dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # "gguf": a GGUF file's Q4_0/Q4_1/Q8_0 weights stay quantized (engine/quant.py)
+    quantization: str = "none"
+    # Llama 3.x rope as GGUF stores it: one divisor per rotary frequency
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @property
     def kv_groups(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
+
+    def tp_problem(self, size: int) -> str | None:
+        """Why TP ``size`` cannot split this model (None: it can). Query heads and MLP
+        columns split evenly; KV heads split, or are replicated when TP is a multiple of
+        them (engine/model.py's Shard)."""
+        if self.num_heads % size:
+            return f"num_attention_heads={self.num_heads} does not divide by {size}"
+        if self.intermediate_size % size:
+            return f"intermediate_size={self.intermediate_size} does not divide by {size}"
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            return (f"num_key_value_heads={self.num_kv_heads} neither divides by nor "
+                    f"divides {size}")
+        return None
+
+    def valid_tp_sizes(self) -> list[int]:
+        return [n for n in range(1, self.num_heads + 1) if self.tp_problem(n) is None]
+
+    def check_tp(self, size: int) -> None:
+        """Refuse a TP size this model cannot be split by, naming the sizes it can."""
+        problem = self.tp_problem(size)
+        if problem is not None:
+            sizes = ", ".join(map(str, self.valid_tp_sizes()))
+            raise ModelConfigError(f"tensor parallel size {size} cannot split this model: "
+                                   f"{problem}; valid sizes: {sizes}")
 
     @staticmethod
     def from_dict(raw: dict[str, Any], *, max_model_len: int | None = None,
@@ -85,12 +113,19 @@ class ModelConfig:
         out["rope_scaling"] = None if self.rope_scaling is None else dict(
             self.rope_scaling.__dict__)
         out["eos_token_ids"] = list(self.eos_token_ids)
+        if self.rope_freq_factors is not None:
+            out["rope_freq_factors"] = list(self.rope_freq_factors)
         return out
 
 
 def load_config(model_dir: str | Path, *, max_model_len: int | None = None,
                 dtype: str | None = None) -> ModelConfig:
-    """Read and validate ``model_dir/config.json``."""
+    """Read and validate ``model_dir/config.json``, or a GGUF file's metadata (``dtype``
+    None keeps its quantized weights quantized; a dtype dequantizes them to it)."""
+    from .gguf_file import is_gguf
+
+    if is_gguf(model_dir):
+        return _gguf(Path(model_dir), max_model_len, dtype)
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -102,6 +137,19 @@ def load_config(model_dir: str | Path, *, max_model_len: int | None = None,
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{path}: config.json must hold a JSON object")
     return _parse(raw, max_model_len, dtype, str(path))
+
+
+def _gguf(path: Path, max_model_len: int | None, dtype: str | None) -> ModelConfig:
+    from .gguf_file import open_gguf
+    from .gguf_model import gguf_config, rope_freq_factors
+
+    f = open_gguf(path)
+    cfg = _parse(gguf_config(f, dtype), max_model_len, None, f"{path} (GGUF metadata)")
+    factors = rope_freq_factors(f)
+    if factors is not None and len(factors) != cfg.head_dim // 2:
+        raise ModelConfigError(f"{path}: rope_freqs.weight holds {len(factors)} factors; "
+                               f"head_dim {cfg.head_dim} needs {cfg.head_dim // 2}")
+    return replace(cfg, rope_freq_factors=factors)
 
 
 class _Fields:
@@ -260,4 +308,12 @@ def _parse(raw: dict[str, Any], max_model_len: int | None, dtype: str | None,
         dtype=chosen,
         bos_token_id=bos if isinstance(bos, int) else None,
         eos_token_ids=_eos(f),
+        quantization=_quantization(f),
     )
+
+
+def _quantization(f: _Fields) -> str:
+    value = f.raw.get("quantization", "none")
+    if value not in ("none", "gguf"):
+        raise f.bad("quantization", value, "supported: none, gguf")
+    return str(value)

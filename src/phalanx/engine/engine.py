@@ -74,14 +74,19 @@ _NOT_IN_KV = ("max_model_len", "eos_token_ids")
 
 def model_fingerprint(model_dir: str | Path, config: dict[str, Any], tp: int,
                       page_tokens: int) -> bytes:
-    """The root of the page-key chain: config, dtype, the weight files' headers and sizes,
-    TP size and page size. Stable across processes and restarts; never reads the weights.
+    """The root of the page-key chain: config, dtype, the weight files' headers and sizes
+    (a GGUF file's tensor data), TP size and page size. Stable across processes and
+    restarts; never reads safetensors weights.
     What cannot change a KV byte (the serving context length, EOS ids) is left out, so a
     server restarted with another ``--max-model-len`` keeps its cache."""
     h = hashlib.blake2b(digest_size=16)
     kv_config = {k: v for k, v in config.items() if k not in _NOT_IN_KV}
     h.update(json.dumps(kv_config, sort_keys=True, default=str).encode())
     h.update(f"|tp={tp}|page={page_tokens}|".encode())
+    from .gguf_file import is_gguf, open_gguf
+
+    if is_gguf(model_dir):     # a GGUF file: a digest of every tensor byte
+        h.update(f"gguf:{open_gguf(model_dir).data_digest()}".encode())
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         size = f.stat().st_size
         with f.open("rb") as fh:
@@ -134,6 +139,7 @@ class Engine:
         devices = resolve_devices(config.device, tp, config.tp_comm)
         mcfg = load_config(config.model, max_model_len=config.max_model_len,
                            dtype=config.dtype)
+        mcfg.check_tp(tp)      # before any rank exists, naming the sizes that work
         self.model_config = mcfg
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(mcfg.eos_token_ids if eos_token_ids is None
@@ -302,8 +308,18 @@ class Engine:
             "prefix_cache_hits_disk": disk,
             "prompt_tokens_computed": computed,
             "num_preemptions": c.preemptions,
+            **self._rank_memory(),
             **self._disk_stats(),
         }
+
+    def _rank_memory(self) -> dict[str, dict[int, int]]:
+        """Each rank's weights (as held: quantized ones at 4 or 8 bits), KV pool and
+        resident set, as its runner reported them when it opened."""
+        mem = self.group.memory
+        return {"rank_weight_bytes": {int(m["rank"]): int(m["weight_bytes"]) for m in mem},
+                "rank_kv_cache_bytes": {int(m["rank"]): int(m["kv_bytes"]) for m in mem},
+                "rank_resident_bytes": {int(m["rank"]): int(m.get("rss_bytes", 0))
+                                        for m in mem}}
 
     def _disk_stats(self) -> dict[str, Any]:
         tier = self.disk_tier

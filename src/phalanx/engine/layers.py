@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 from ._errors import CheckpointError
 from .config import ModelConfig
+from .quant import Int4Matmul, QuantRows, QuantTensor, compatible
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from .checkpoint import WeightSource as Checkpoint
     from .tp import TPComm
 
 __all__ = ["LMHead", "ParallelLinear", "Part", "RMSNorm", "Rotary", "VocabEmbedding",
@@ -53,9 +54,14 @@ class ParallelLinear(torch.nn.Module):
     """
 
     def __init__(self, in_features: int, parts: list[Part], shard_dim: int, bias: bool,
-                 dtype: torch.dtype, comm: TPComm | None = None) -> None:
+                 dtype: torch.dtype, comm: TPComm | None = None,
+                 quantized: bool = False) -> None:
         super().__init__()
         self.parts = parts
+        # quantized: the checkpoint's Q4_0/Q4_1/Q8_0 blocks are kept (engine/quant.py)
+        # where every part has them; else the weight is read dense
+        self.quantized = quantized
+        self.qmm: Int4Matmul | None = None
         self.shard_dim = shard_dim
         self.comm = comm
         local = sum(p.size for p in parts)
@@ -69,15 +75,20 @@ class ParallelLinear(torch.nn.Module):
 
     def load(self, ckpt: Checkpoint) -> None:
         """Read this rank's slice of every part from the checkpoint."""
-        offset = 0
         in_features = self.weight.shape[1 - self.shard_dim]
         for part in self.parts:
             _check_shape(ckpt, f"{part.name}.weight",
                          [part.total, in_features] if self.shard_dim == 0
                          else [in_features, part.total])
-            w = ckpt.read(f"{part.name}.weight", self.shard_dim, part.start, part.stop)
-            dst = self.weight.data.narrow(self.shard_dim, offset, part.size)
-            _copy(dst, w, f"{part.name}.weight")
+        if not (self.quantized and self._load_quantized(ckpt)):
+            offset = 0
+            for part in self.parts:
+                w = ckpt.read(f"{part.name}.weight", self.shard_dim, part.start, part.stop)
+                dst = self.weight.data.narrow(self.shard_dim, offset, part.size)
+                _copy(dst, w, f"{part.name}.weight")
+                offset += part.size
+        offset = 0
+        for part in self.parts:
             if self.bias is not None:
                 if self.shard_dim == 0:
                     b = ckpt.read(f"{part.name}.bias", 0, part.start, part.stop)
@@ -86,7 +97,28 @@ class ParallelLinear(torch.nn.Module):
                     _copy(self.bias.data, ckpt.read(f"{part.name}.bias"), f"{part.name}.bias")
             offset += part.size
 
+    def _load_quantized(self, ckpt: Checkpoint) -> bool:
+        """Keep this rank's slices in their blocks when all parts have kept types of one
+        kind (Q4_0/Q4_1, or Q8_0); False leaves the weight to be read dense."""
+        blocks: list[QuantTensor] = []
+        for part in self.parts:
+            qt = ckpt.read_quantized(f"{part.name}.weight", self.shard_dim, part.start,
+                                     part.stop)
+            if qt is None:
+                return False
+            blocks.append(qt)
+        if not compatible(blocks):
+            return False
+        self.qmm = Int4Matmul(blocks)
+        self.weight = torch.nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qmm is not None:
+            y = self.qmm(x)
+            if self.shard_dim == 1 and self.comm is not None and self.comm.size > 1:
+                y = self.comm.all_reduce(y)
+            return y if self.bias is None else y + self.bias  # type: ignore[no-any-return]
         if self.shard_dim == 0:
             return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight)
@@ -137,6 +169,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """The rotary inverse frequencies, with ``rope_scaling`` applied (float32)."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.rope_freq_factors is not None:
+        return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     s = cfg.rope_scaling
     if s is None:
         return inv
@@ -205,9 +239,11 @@ class VocabEmbedding(torch.nn.Module):
     """
 
     def __init__(self, name: str, vocab: int, hidden: int, dtype: torch.dtype,
-                 comm: TPComm, parallel: bool) -> None:
+                 comm: TPComm, parallel: bool, quantized: bool = False) -> None:
         super().__init__()
         self.name = name
+        self.quantized = quantized
+        self.rows: QuantRows | None = None   # the table still in its GGUF blocks
         self.comm = comm
         self.parallel = parallel and comm.size > 1
         self.vocab = vocab
@@ -221,14 +257,23 @@ class VocabEmbedding(torch.nn.Module):
     def load(self, ckpt: Checkpoint) -> None:
         name = f"{self.name}.weight"
         _check_shape(ckpt, name, [self.vocab, self.weight.shape[1]])
+        qt = ckpt.read_quantized(name, 0, self.start, self.stop) if self.quantized else None
+        if qt is not None:
+            self.rows = QuantRows(qt, self.weight.dtype)
+            self.weight = torch.nn.Parameter(self.weight.data.new_empty(0),
+                                             requires_grad=False)
+            return
         _copy(self.weight.data, ckpt.read(name, 0, self.start, self.stop), name)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids) if self.rows is not None else F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.parallel:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.stop - self.start)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.comm.all_reduce(out)
 
@@ -240,20 +285,33 @@ class LMHead(torch.nn.Module):
         super().__init__()
         self.embedding = embedding
         self.name = untied_name
+        self.qmm: Int4Matmul | None = None
         self.weight = embedding.weight if untied_name is None else torch.nn.Parameter(
             torch.empty_like(embedding.weight), requires_grad=False)
 
     def load(self, ckpt: Checkpoint) -> None:
+        e = self.embedding
         if self.name is None:
             ckpt.skip("lm_head.weight")  # tied: some checkpoints store the copy anyway
+            if e.rows is None:
+                self.weight = e.weight   # the embedding's, as loaded
+                return
+            # the table stayed quantized: the head packs the same blocks for its matmul
+            name = f"{e.name}.weight"
+        else:
+            name = f"{self.name}.weight"
+            _check_shape(ckpt, name, [e.vocab, self.weight.shape[1]])
+        # a tied quantized table always has blocks the kernel takes (rows of 32s)
+        qt = ckpt.read_quantized(name, 0, e.start, e.stop) if e.quantized else None
+        if qt is not None:
+            self.qmm = Int4Matmul([qt])
+            self.weight = torch.nn.Parameter(self.weight.data.new_empty(0),
+                                             requires_grad=False)
             return
-        name = f"{self.name}.weight"
-        e = self.embedding
-        _check_shape(ckpt, name, [e.vocab, self.weight.shape[1]])
         _copy(self.weight.data, ckpt.read(name, 0, e.start, e.stop), name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.qmm(hidden) if self.qmm is not None else F.linear(hidden, self.weight)
         if not self.embedding.parallel:
             return logits
         comm = self.embedding.comm

@@ -37,7 +37,11 @@ PromptType = str | Mapping[str, Any]
 
 
 def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
-    if not (model_dir / "tokenizer.json").exists():
+    """The model's tokenizer: a GGUF file carries one; a directory may lack it (then only
+    token-id prompts are served)."""
+    from .gguf_file import is_gguf
+
+    if not is_gguf(model_dir) and not (model_dir / "tokenizer.json").exists():
         return None
     return Tokenizer(model_dir)
 
@@ -202,7 +206,10 @@ class LLM:
 
     def close(self) -> None:
         """Stop the ranks and release everything (idempotent)."""
+        from .gguf_file import forget_gguf_files
+
         self.engine.close()
+        forget_gguf_files()   # a GGUF file's parse, kept for this start, holds its map
 
     def __enter__(self) -> LLM:
         return self

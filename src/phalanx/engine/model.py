@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ._errors import ModelConfigError
 from .attention import AttnMeta, paged_attention
-from .checkpoint import Checkpoint, LoadReport
+from .checkpoint import LoadReport, WeightSource, open_checkpoint
 from .config import ModelConfig
 from .layers import LMHead, ParallelLinear, Part, RMSNorm, Rotary, VocabEmbedding
 from .tp import SoloComm, TPComm
@@ -49,21 +49,13 @@ class Shard:
 
     @staticmethod
     def of(cfg: ModelConfig, rank: int, size: int) -> Shard:
-        if cfg.num_heads % size:
-            raise ModelConfigError(f"num_attention_heads={cfg.num_heads} does not divide by "
-                                   f"the TP size {size}")
-        if cfg.intermediate_size % size:
-            raise ModelConfigError(f"intermediate_size={cfg.intermediate_size} does not "
-                                   f"divide by the TP size {size}")
+        cfg.check_tp(size)
         heads = cfg.num_heads // size
         kvh = cfg.num_kv_heads
         if kvh % size == 0:
             kv_start, kv_local = rank * (kvh // size), kvh // size
-        elif size % kvh == 0:
+        else:  # size % kvh == 0: check_tp refused the rest
             kv_start, kv_local = (rank * heads) // cfg.kv_groups, 1
-        else:
-            raise ModelConfigError(f"num_key_value_heads={kvh} neither divides by nor "
-                                   f"divides the TP size {size}")
         return Shard(rank, size, heads, kv_start, kv_local, cfg.intermediate_size // size)
 
 
@@ -73,6 +65,7 @@ class Attention(torch.nn.Module):
         super().__init__()
         self.layer, self.layers = layer, cfg.num_layers
         d = cfg.head_dim
+        quantized = cfg.quantization == "gguf"
         self.heads, self.kv_heads, self.d = sh.heads, sh.kv_heads, d
         q0 = sh.rank * sh.heads * d
         k0 = sh.kv_start * d
@@ -81,10 +74,10 @@ class Attention(torch.nn.Module):
             Part(f"{prefix}.q_proj", q0, q0 + sh.heads * d, nq),
             Part(f"{prefix}.k_proj", k0, k0 + sh.kv_heads * d, nkv),
             Part(f"{prefix}.v_proj", k0, k0 + sh.kv_heads * d, nkv),
-        ], 0, cfg.qkv_bias, dtype)
+        ], 0, cfg.qkv_bias, dtype, quantized=quantized)
         self.o_proj = ParallelLinear(cfg.hidden_size, [
             Part(f"{prefix}.o_proj", q0, q0 + sh.heads * d, nq)], 1, cfg.o_bias, dtype,
-            comm)
+            comm, quantized=quantized)
         self.rotary = rotary
         self.scale = d ** -0.5
 
@@ -108,11 +101,14 @@ class MLP(torch.nn.Module):
         c0 = sh.rank * sh.inter
         self.inter = sh.inter
         full = cfg.intermediate_size
+        quantized = cfg.quantization == "gguf"
         self.gate_up_proj = ParallelLinear(cfg.hidden_size, [
             Part(f"{prefix}.gate_proj", c0, c0 + sh.inter, full),
-            Part(f"{prefix}.up_proj", c0, c0 + sh.inter, full)], 0, False, dtype)
+            Part(f"{prefix}.up_proj", c0, c0 + sh.inter, full)], 0, False, dtype,
+            quantized=quantized)
         self.down_proj = ParallelLinear(cfg.hidden_size, [
-            Part(f"{prefix}.down_proj", c0, c0 + sh.inter, full)], 1, False, dtype, comm)
+            Part(f"{prefix}.down_proj", c0, c0 + sh.inter, full)], 1, False, dtype, comm,
+            quantized=quantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
@@ -152,7 +148,8 @@ class CausalLM(torch.nn.Module):
         self.rotary = rotary = Rotary(cfg, self.dtype)
         self.embed_tokens = VocabEmbedding("model.embed_tokens", cfg.vocab_size,
                                            cfg.hidden_size, self.dtype, self.comm,
-                                           vocab_parallel)
+                                           vocab_parallel,
+                                           quantized=cfg.quantization == "gguf")
         self.layers = torch.nn.ModuleList(
             DecoderLayer(cfg, self.shard, i, self.comm, rotary, self.dtype)
             for i in range(cfg.num_layers))
@@ -165,11 +162,14 @@ class CausalLM(torch.nn.Module):
                         vocab_parallel: bool = False) -> tuple[CausalLM, LoadReport]:
         """Build this rank's shard and read only its slices of the checkpoint."""
         model = CausalLM(cfg, comm, vocab_parallel)
-        with Checkpoint(model_dir) as ckpt:
+        ckpt = open_checkpoint(model_dir)
+        try:
             report = model.load(ckpt)
+        finally:
+            ckpt.close()
         return model, report
 
-    def load(self, ckpt: Checkpoint) -> LoadReport:
+    def load(self, ckpt: WeightSource) -> LoadReport:
         for module in self.modules():
             load = getattr(module, "load", None)
             if load is not None and module is not self:
@@ -183,8 +183,10 @@ class CausalLM(torch.nn.Module):
         return report
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights this rank holds (tied weights counted once)."""
-        seen = {id(p): p.numel() * p.element_size() for p in self.parameters()}
+        """Bytes of the weights this rank holds, quantized ones as held (tied weights
+        counted once; the rotary tables are not weights)."""
+        seen = {t.data_ptr(): t.numel() * t.element_size() for t in self.state_dict().values()
+                if t.numel()}
         return sum(seen.values())
 
     def kv_shape(self, num_pages: int, page_tokens: int) -> tuple[int, ...]:

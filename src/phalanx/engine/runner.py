@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import psutil
 import torch
 
 from ..lifecycle import PhalanxError
@@ -128,6 +129,8 @@ class Runner:
                 "weight_bytes": self.model.weight_bytes(),
                 "bytes_read": self.report.bytes_read,
                 "kv_bytes": sum(t.numel() * t.element_size() for t in self.kv),
+                # the process's resident set now (weights, KV pages written so far, torch)
+                "rss_bytes": psutil.Process().memory_info().rss,
                 "kv_heads_local": self.model.shard.kv_heads,
                 "heads_local": self.model.shard.heads,
                 "threads": self.threads, "device": str(self.device)}

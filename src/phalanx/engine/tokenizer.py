@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import CheckpointError, RequestError
+from .gguf_tokenizer import TokenizerParts
 
 __all__ = ["Tokenizer"]
+
+_GENERATION = ("temperature", "top_p", "top_k", "max_new_tokens", "do_sample")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -40,40 +43,71 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class Tokenizer:
-    """Encode, decode and chat-format text for one model directory."""
+def _dir_parts(model_dir: Path) -> TokenizerParts:
+    """A Hugging Face directory's tokenizer. The chat template is read where transformers
+    5.x writes it (``chat_template.jinja``, or ``chat_template.json``) before
+    ``tokenizer_config.json``'s ``chat_template`` (4.x)."""
+    from tokenizers import Tokenizer as _HFTokenizer
 
-    def __init__(self, model_dir: str | Path) -> None:
-        from tokenizers import Tokenizer as _HFTokenizer
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        raise CheckpointError(f"{model_dir}: no tokenizer.json (only fast tokenizers are "
+                              f"read; a GGUF file carries its own)")
+    try:
+        tok = _HFTokenizer.from_file(str(path))
+    except Exception as exc:  # the library raises its own exception type
+        raise CheckpointError(f"{path}: cannot load ({exc})") from exc
+    cfg = _read_json(model_dir / "tokenizer_config.json")
+    gen = _read_json(model_dir / "generation_config.json")
+    model_cfg = _read_json(model_dir / "config.json")
+    template = _chat_template(model_dir, cfg)
+    eos: set[int] = set()
+    for source in (gen.get("eos_token_id"), model_cfg.get("eos_token_id")):
+        items = source if isinstance(source, list) else [source]
+        eos.update(i for i in items if isinstance(i, int) and not isinstance(i, bool))
+    return TokenizerParts(tok, _token_text(cfg.get("bos_token")),
+                          _token_text(cfg.get("eos_token")),
+                          bool(cfg.get("add_bos_token", False)), template, eos,
+                          {k: gen[k] for k in _GENERATION if k in gen})
 
-        self.dir = Path(model_dir)
-        path = self.dir / "tokenizer.json"
-        if not path.exists():
-            raise CheckpointError(f"{self.dir}: no tokenizer.json (only fast tokenizers "
-                                  f"are read)")
+
+def _chat_template(model_dir: Path, cfg: dict[str, Any]) -> str | None:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
         try:
-            self._tok = _HFTokenizer.from_file(str(path))
-        except Exception as exc:  # the library raises its own exception type
-            raise CheckpointError(f"{path}: cannot load ({exc})") from exc
-        cfg = _read_json(self.dir / "tokenizer_config.json")
-        gen = _read_json(self.dir / "generation_config.json")
-        model_cfg = _read_json(self.dir / "config.json")
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
+            return jinja.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{jinja}: cannot read ({exc})") from exc
+    doc = _read_json(model_dir / "chat_template.json")
+    for value in (doc.get("chat_template"), cfg.get("chat_template")):
+        if isinstance(value, str):
+            return value
+    return None
+
+
+class Tokenizer:
+    """Encode, decode and chat-format text for one model: a Hugging Face directory or a
+    GGUF file (whose metadata holds its vocabulary: engine/gguf_tokenizer.py)."""
+
+    def __init__(self, model: str | Path) -> None:
+        from .gguf_file import is_gguf, open_gguf
+        from .gguf_tokenizer import gguf_tokenizer
+
+        self.dir = Path(model)
+        parts = gguf_tokenizer(open_gguf(self.dir)) if is_gguf(self.dir) else _dir_parts(
+            self.dir)
+        self._tok = parts.tokenizer
+        self.bos_token = parts.bos_token
+        self.eos_token = parts.eos_token
         self.bos_token_id = self._id(self.bos_token)
-        self.add_bos_token = bool(cfg.get("add_bos_token", False)) and self.bos_token_id is not None
-        self.chat_template: str | None = cfg.get("chat_template") if isinstance(
-            cfg.get("chat_template"), str) else None
-        eos: set[int] = set()
-        for source in (gen.get("eos_token_id"), model_cfg.get("eos_token_id"),
-                       self._id(self.eos_token)):
-            items = source if isinstance(source, list) else [source]
-            eos.update(i for i in items if isinstance(i, int) and not isinstance(i, bool))
+        self.add_bos_token = parts.add_bos_token and self.bos_token_id is not None
+        self.chat_template: str | None = parts.chat_template
+        eos = set(parts.eos_token_ids)
+        if (eos_id := self._id(self.eos_token)) is not None:
+            eos.add(eos_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         # sampling defaults the model ships (temperature, top_p, top_k, ...)
-        self.generation_defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k",
-                                                        "max_new_tokens", "do_sample")
-                                    if k in gen}
+        self.generation_defaults = parts.generation
         self._template: Any = None
 
     def _id(self, token: str | None) -> int | None:
@@ -100,8 +134,9 @@ class Tokenizer:
                             add_generation_prompt: bool = True, **extra: Any) -> str:
         """The prompt text of a chat, rendered with the model's template."""
         if self.chat_template is None:
-            raise RequestError(f"{self.dir}: the model has no chat_template in "
-                               f"tokenizer_config.json; send a plain prompt")
+            raise RequestError(f"{self.dir}: the model has no chat template (none in "
+                               f"chat_template.jinja, tokenizer_config.json or the GGUF "
+                               f"metadata); send a plain prompt")
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -197,9 +197,9 @@ def _signals_stop(state: _RunState) -> Iterator[None]:
 
 
 def _served_name(model_dir: Path) -> str:
-    """The model's name clients send: a checkpoint's directory name; the embedded model's
-    name without its digest suffix."""
-    name = model_dir.name
+    """The model's name clients send: a checkpoint's directory name (a GGUF file's name
+    without .gguf); the embedded model's name without its digest suffix."""
+    name = model_dir.name.removesuffix(".gguf")
     head, _, tail = name.rpartition("-")
     if head and len(tail) == 16 and all(c in "0123456789abcdef" for c in tail):
         return head
@@ -216,8 +216,12 @@ def _ready_line(url: str, name: str, cfg: ServerConfig, supervisor: Supervisor) 
     disk = (f"disk tier {sum(records.values()) // max(1, len(records))} records recovered "
             f"per rank" if records else "disk tier off" if cfg.prefix_cache_disk == ""
             else "disk tier empty")
+    weights = stats.get("rank_weight_bytes") or {}
+    rss = stats.get("rank_resident_bytes") or {}
+    memory = (f", per rank {max(weights.values()) / 2**20:.0f} MiB weights, "
+              f"{max(rss.values()) / 2**20:.0f} MiB resident" if weights and rss else "")
     return (f"phalanx serve: ready at {url} — model {name!r}, "
-            f"{cfg.tensor_parallel_size} rank(s) (tensor parallel), memory tier "
+            f"{cfg.tensor_parallel_size} rank(s) (tensor parallel){memory}, memory tier "
             f"{stats.get('kv_pages_total', '?')} pages, {disk}")
 
 

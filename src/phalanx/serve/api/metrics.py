@@ -54,6 +54,9 @@ _ENGINE_COUNTERS = {
     "num_preemptions": "Requests preempted (their KV freed, recomputed later).",
 }
 _PER_RANK_GAUGES = {
+    "rank_weight_bytes": "Bytes of model weights each rank holds (quantized ones as held).",
+    "rank_kv_cache_bytes": "Bytes of each rank's KV pool (the memory tier).",
+    "rank_resident_bytes": "Each rank process's resident set when its model was loaded.",
     "cache_disk_records": "Records in each rank's disk tier.",
     "cache_disk_bytes": "Bytes in each rank's disk tier.",
     "cache_maintenance_queued": "Maintenance jobs each rank's disk tier knows of (rank 0 "

@@ -30,7 +30,7 @@ def _embedded(size: str) -> str:
 
 
 @click.command("serve")
-@click.argument("model_dir", required=False, type=click.Path(file_okay=False, exists=True))
+@click.argument("model_dir", required=False, type=click.Path(exists=True))
 @click.option("--tensor-parallel-size", "--tp", "tp", default=2, show_default=True, type=int,
               help="rank processes the model is split across")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -77,7 +77,9 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
           prefix_cache_max_age: float | None, no_prefix_cache_disk: bool, model_size: str,
           no_restart: bool, shutdown_timeout: float, nnodes: int, node_rank: int,
           master_addr: str, master_port: int) -> None:
-    """Serve MODEL_DIR (a Hugging Face checkpoint; the embedded model by default) over an
+    """Serve MODEL_DIR (a Hugging Face checkpoint directory or a GGUF file; the embedded
+    model by default; a GGUF file's Q4_0/Q4_1/Q8_0 weights stay quantized unless --dtype
+    names a type to dequantize them to) over an
     OpenAI-compatible HTTP API, tensor-parallel across rank processes, with a prefix cache
     kept in memory and on disk (identical on every rank, alive across restarts)."""
     from phalanx.serve.server import ServerConfig, run_server
@@ -87,6 +89,8 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
     if prefix_cache_disk and no_prefix_cache_disk:
         raise click.UsageError("--prefix-cache-disk and --no-prefix-cache-disk contradict")
     _check_device(device, tp, nnodes)
+    if model_dir is not None:
+        _check_model(model_dir, tp, None if dtype == "auto" else dtype, max_model_len)
     cfg = ServerConfig(
         model=model_dir or _embedded(model_size), tensor_parallel_size=tp, host=host,
         port=port, api_key=api_key or None, served_model_name=served_model_name,
@@ -105,6 +109,28 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
 
         sys.exit(serve_job(cfg, JobSpec(nnodes, node_rank, master_addr, master_port)))
     sys.exit(run_server(cfg))
+
+
+def _check_model(model: str, tp: int, dtype: str | None, max_model_len: int | None) -> None:
+    """Refuse a model that cannot be served, in one line naming the file and why, before
+    any rank starts: its config or GGUF metadata, a TP size it cannot be split by (the
+    sizes that work named), a missing tokenizer or weights, a truncated file."""
+    from phalanx.engine.checkpoint import open_checkpoint
+    from phalanx.engine.config import load_config
+    from phalanx.engine.tokenizer import Tokenizer
+    from phalanx.errors import EngineError
+
+    try:
+        cfg = load_config(model, max_model_len=max_model_len, dtype=dtype)
+        try:
+            cfg.check_tp(tp)
+        except EngineError as exc:
+            raise type(exc)(f"{model}: {exc}") from None
+        Tokenizer(model)
+        open_checkpoint(model).close()
+    except EngineError as exc:
+        click.echo(f"phalanx serve: {exc}", err=True)
+        sys.exit(2)
 
 
 def _check_device(device: str, tp: int, nnodes: int) -> None:
