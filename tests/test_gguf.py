@@ -44,9 +44,8 @@ def gguf_path() -> Path:
 @pytest.fixture(scope="module")
 def reference(gguf_path: Path, monkeypatch_module: pytest.MonkeyPatch) -> dict[str, Any]:
     """transformers' prompts, greedy tokens, their logprobs and top-2 margins."""
-    import transformers
-
     import tqdm
+    import transformers
 
     monkeypatch_module.setenv("TQDM_DISABLE", "1")  # its dequantizing bar
     monkeypatch_module.setattr(tqdm.tqdm, "monitor_interval", 0)  # and the bar's thread

@@ -23,8 +23,8 @@ from ._errors import CheckpointError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["DEQUANTIZED", "KEPT_QUANTIZED", "GGUFFile", "GGUFTensor", "forget_gguf_files", "is_gguf",
-           "open_gguf"]
+__all__ = ["DEQUANTIZED", "KEPT_QUANTIZED", "GGUFFile", "GGUFTensor", "forget_gguf_files",
+           "is_gguf", "open_gguf"]
 
 _MAGIC = b"GGUF"
 # Types held as int4 in memory on the quantized path (engine/quant.py); every other
