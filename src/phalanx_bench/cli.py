@@ -20,6 +20,7 @@ _BENCHES: dict[str, str] = {
     "engine": "engine",
     "serve": "serve",
     "multihost": "multihost",
+    "llamacpp": "llamacpp",
 }
 
 

@@ -52,7 +52,7 @@ def _sdist_url() -> str:
     for f in meta["releases"].get(VERSION, []):
         if f["packagetype"] == "sdist":
             # a registry mirror may answer with addresses relative to the JSON's
-            return urllib.parse.urljoin(base, f["url"])
+            return urllib.parse.urljoin(str(base), str(f["url"]))
     raise click.ClickException(f"{PACKAGE} {VERSION} has no sdist on PyPI")
 
 

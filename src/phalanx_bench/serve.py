@@ -275,6 +275,9 @@ def stream(client: Any, url: str, route: str, body: dict[str, Any]) -> Timing:
                 t.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                 details = usage.get("prompt_tokens_details") or {}
                 t.cached_tokens = int(details.get("cached_tokens") or 0)
+            timings = chunk.get("timings")   # llama.cpp's: cache_n prompt tokens reused
+            if timings and not t.cached_tokens:
+                t.cached_tokens = int(timings.get("cache_n") or 0)
     t.end = time.perf_counter()
     if not t.chunks:
         raise BenchError(f"{url}{route}: the stream carried no text")

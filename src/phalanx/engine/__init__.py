@@ -16,6 +16,7 @@ from .plan import PageLoad, PageSave, SamplingSpec, SeqChunk, StepPlan, StepResu
 from .ranks import rank_env
 from .sampling import SamplingParams
 from .scheduler import InMemoryTier, PrefixTier, Scheduler, SchedulerConfig
+from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from .tp import DomainComm, TorchDistComm
@@ -54,6 +55,7 @@ __all__ = [
     "StepPlan",
     "StepResult",
     "TokenLogprobs",
+    "Tokenizer",
     "TorchDistComm",
     "default_model_dir",
     "rank_env",
