@@ -51,6 +51,7 @@ from .llamacpp_build import server_path
 from .real_model import fetch
 from .serve import (
     PHALANX_EXTRA,
+    Prompts,
     ServerProc,
     Timing,
     _chats,
@@ -70,25 +71,6 @@ from .serve import (
 # named so a later default cannot change what is measured)
 LLAMA_EXTRA: dict[str, Any] = {"ignore_eos": True, "cache_prompt": True,
                                "stream_options": {"include_usage": True}}
-
-
-class GGUFPrompts:
-    """Seeded text prompts of about a given token count in a GGUF file's tokenizer."""
-
-    def __init__(self, gguf: Path) -> None:
-        from phalanx.engine import Tokenizer
-
-        self.tok = Tokenizer(gguf)
-
-    def ids(self, seed: int, n: int) -> list[int]:
-        import numpy as np
-
-        rng = np.random.default_rng(seed)
-        text = self.tok.decode(rng.integers(8, self.tok.vocab_size, n + n // 4 + 8).tolist())
-        return self.tok.encode(text, add_special_tokens=False)[:n]
-
-    def text(self, ids: list[int]) -> str:
-        return self.tok.decode(ids)
 
 
 def _group_memory_mb(pgid: int) -> dict[str, float]:
@@ -171,13 +153,13 @@ def _side(url: str, name: str, extra: dict[str, Any], drain: tuple[str, ...],
 def run(gguf: Path, binary: Path, tp: int, prompt_tokens: int, reps: int,
         decode_tokens: int, max_tokens: int, clients: int, systems: int, system_tokens: int,
         kv_cache_size: str, ctx: int, seed: int, logs: Path) -> dict[str, Any]:
-    p = GGUFPrompts(gguf)
+    p = Prompts(gguf)
     threads = len(os.sched_getaffinity(0))
     misses = [p.text(p.ids(seed + 10 * i, prompt_tokens)) for i in range(reps)]
     llama_misses = [p.text(p.ids(seed + 10 * i + 5, prompt_tokens)) for i in range(reps)]
     shorts = [p.text(p.ids(seed + 300 + i, 32)) for i in range(19)]
-    chats = _chats(p, clients, systems, system_tokens, seed)   # type: ignore[arg-type]
-    chats_l = _chats(p, clients, systems, system_tokens, seed + 50)   # type: ignore[arg-type]
+    chats = _chats(p, clients, systems, system_tokens, seed)
+    chats_l = _chats(p, clients, systems, system_tokens, seed + 50)
     warm = p.text(p.ids(seed + 7, 64))
     out: dict[str, Any] = {"threads": threads}
     extra = ["--max-num-seqs", str(max(16, clients)), "--kv-cache-size", kv_cache_size]

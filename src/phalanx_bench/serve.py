@@ -379,13 +379,14 @@ def single(ts: list[Timing]) -> dict[str, Any]:
 # -- prompts ----------------------------------------------------------------------------
 
 class Prompts:
-    """Seeded text prompts of about a given token count in the model's tokenizer."""
+    """Seeded text prompts of about a given token count in the model's tokenizer (a
+    Hugging Face directory's or a GGUF file's: phalanx's own reader of both)."""
 
     def __init__(self, model: Path) -> None:
-        from tokenizers import Tokenizer
+        from phalanx.engine import Tokenizer
 
-        self.tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-        self.vocab = self.tok.get_vocab_size()
+        self.tok = Tokenizer(model)
+        self.vocab = self.tok.vocab_size
 
     def ids(self, seed: int, n: int) -> list[int]:
         import numpy as np
@@ -393,12 +394,10 @@ class Prompts:
         # a text of n tokens: decode seeded ids, re-encode, keep n of them
         rng = np.random.default_rng(seed)
         text = self.tok.decode(rng.integers(8, self.vocab, n + n // 4 + 8).tolist())
-        ids: list[int] = self.tok.encode(text, add_special_tokens=False).ids[:n]
-        return ids
+        return self.tok.encode(text, add_special_tokens=False)[:n]
 
     def text(self, ids: list[int]) -> str:
-        out: str = self.tok.decode(ids)
-        return out
+        return self.tok.decode(ids)
 
 
 def _chats(p: Prompts, clients: int, systems: int, system_tokens: int, seed: int
