@@ -82,7 +82,7 @@ PUBLIC: dict[str, list[str]] = {
         "InMemoryTier", "LLM",
         "Logprob", "PageLoad", "PageSave", "PrefixTier", "RequestOutput", "SamplingParams",
         "SamplingSpec", "Scheduler", "SchedulerConfig", "SeqChunk", "StepPlan", "StepResult",
-        "TokenLogprobs", "TorchDistComm", "default_model_dir", "rank_env",
+        "TokenLogprobs", "Tokenizer", "TorchDistComm", "default_model_dir", "rank_env",
     ],
     "phalanx.serve": [],
     "phalanx.errors": [
