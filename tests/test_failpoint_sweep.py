@@ -465,6 +465,70 @@ def _replication_points(points: list[str], tmp: Path) -> Problems:
     return problems
 
 
+# -- engine and serve -------------------------------------------------------------------
+def _engine_points(points: list[str], tmp: Path) -> Problems:
+    """The disk tier's lookup faults with phalanx's own error: that prompt is a miss
+    (computed, the same tokens), the engine lives, the next repeat is a disk hit."""
+    from phalanx.engine import LLM, SamplingParams
+    from phalanx.engine.default_model import default_model_dir
+
+    (point,) = points
+    prompt = {"prompt_token_ids": [(7 * i + 3) % 200 + 3 for i in range(3 * 16 + 1)]}
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    p: list[str] = []
+    with LLM(default_model_dir(), tensor_parallel_size=1, page_tokens=16, num_pages=32,
+             prefix_cache_disk=tmp / "cache") as llm:
+        (ref,) = llm.generate(prompt, sp)
+        tier = llm.engine.disk_tier
+        assert tier is not None and tier.drain(60)
+        llm.reset_prefix_cache()
+        failpoints.arm(point, "raise*1")
+        outs = _attempt(lambda: p.extend(
+            "the faulted lookup changed the output" for o in llm.generate(prompt, sp)
+            if o.outputs[0].token_ids != ref.outputs[0].token_ids or o.cached_tokens_disk))
+        failpoints.disarm_all()
+        p += [f"the faulted lookup failed the request: {e!r}" for e in outs]
+        if tier.stats.load_failures != 1:
+            p.append(f"{tier.stats.load_failures} lookup failures counted, not 1")
+        llm.reset_prefix_cache()
+        (again,) = llm.generate(prompt, sp)
+        if again.cached_tokens_disk != 3 * 16:
+            p.append(f"the next repeat found {again.cached_tokens_disk} tokens on disk")
+    return {point: p}
+
+
+def _serve_points(points: list[str], tmp: Path) -> Problems:
+    """A request faults at admission: it fails naming the point, the next is served."""
+    import asyncio
+
+    from phalanx.engine import SamplingParams
+    from phalanx.engine.default_model import default_model_dir
+    from phalanx.serve.server import ServerConfig, _starter
+
+    (point,) = points
+    cfg = ServerConfig(tensor_parallel_size=1, prefix_cache_disk="", max_num_seqs=2)
+    driver = _starter(cfg, Path(default_model_dir()), "seeded")(lambda exc: None)
+
+    async def one(rid: str) -> list[int]:
+        out: list[int] = []
+        sp = SamplingParams(max_tokens=3, temperature=0)
+        async for d in driver.generate(rid, [5, 6, 7, 8], sp):
+            out += d.token_ids
+        return out
+
+    try:
+        failpoints.arm(point, "raise*1")
+        p = _reached(point, None, _attempt(asyncio.run, one("a")))
+        failpoints.disarm_all()
+        served = asyncio.run(one("b"))
+        if len(served) != 3 or not driver.health().ok:
+            p.append(f"the next request got {served}, health {driver.health()}")
+    finally:
+        failpoints.disarm_all()
+        driver.close()
+    return {point: p}
+
+
 Scenario = Callable[[list[str], Path], Problems]
 
 # scenario -> (what drives it, the points it reaches, the rank each rank point is armed in)
@@ -490,6 +554,8 @@ COVERS: dict[str, tuple[Scenario, dict[str, int | None]]] = {
         for name, desc in failpoints.catalogue().items() if layer_of(name) == "comm"}),
     "replication": (_replication_points, {"cache.link.connect": 1, "cache.link.send": 0,
                                           "cache.replica.apply": 1}),
+    "engine-lookup": (_engine_points, {"engine.disk.lookup": None}),
+    "serve-admit": (_serve_points, {"serve.driver.admit": None}),
 }
 for _fn, _points in COVERS.values():
     RANK.update(_points)
@@ -509,7 +575,8 @@ def test_every_catalogued_point_has_a_scenario() -> None:
                          f"(add one to COVERS): {missing}")
     assert not set(covered) - catalogue, sorted(set(covered) - catalogue)
     layers = {layer_of(p) for p in covered}
-    assert layers >= {"rendezvous", "runtime", "comm", "kvstore", "replication"}
+    assert layers >= {"rendezvous", "runtime", "comm", "kvstore", "replication", "engine",
+                      "serve"}
 
 
 # The two scenarios that start many Workers (~25 s and ~15 s of the ~35-65 s sweep on a

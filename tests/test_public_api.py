@@ -34,6 +34,7 @@ PUBLIC: dict[str, list[str]] = {
     "phalanx.lifecycle.failpoints": [
         "Action", "Failpoint", "FailpointSpecError", "arm", "armed", "catalogue", "check",
         "declared", "disarm", "disarm_all", "fired", "parse_spec", "set_process_rank",
+        "wait_fired",
     ],
     "phalanx.rendezvous": [
         "BACKENDS", "Generation", "HandshakeAbortedError", "HandshakeError",

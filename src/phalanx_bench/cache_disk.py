@@ -48,6 +48,7 @@ from phalanx.kvstore import (
     StoreOptions,
     aligned_empty,
 )
+from phalanx.serve.cli.params import INT_LIST
 
 from ._stats import emit, median
 
@@ -357,26 +358,27 @@ def _row_size(work: Path, b: int, n: int, reps: int, fsync_total_mib: int,
 
 @click.command("cache-disk")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON result as the last line.")
-@click.option("--rows", default="262144,4194304,33554432", show_default=True,
+@click.option("--rows", default="262144,4194304,33554432", show_default=True, type=INT_LIST,
               help="Row sizes in bytes (multiples of 128 KiB).")
-@click.option("--total-mib", default=256, show_default=True, help="Bytes per case and rep.")
-@click.option("--reps", default=3, show_default=True)
-@click.option("--fsync-total-mib", default=32, show_default=True,
+@click.option("--total-mib", type=click.IntRange(1), default=256, show_default=True,
+              help="Bytes per case and rep.")
+@click.option("--reps", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--fsync-total-mib", type=click.IntRange(1), default=32, show_default=True,
               help="Bytes per case for the fsync=True figures (0: skip them).")
-@click.option("--recovery-records", default=100_000, show_default=True)
+@click.option("--recovery-records", type=click.IntRange(1), default=100_000, show_default=True)
 @click.option("--lmcache-python", default="/tmp/phx-anchors/lmcache/bin/python",
               show_default=True, help="python of a venv with LMCache (skipped if absent).")
 @click.option("--dir", "work_dir", default=None, help="Scratch directory (default: /tmp).")
 @click.option("--io-uring/--no-io-uring", "with_uring", default=True, show_default=True,
               help="Also time load_many with io_uring reads asked for (a fourth side), "
               "where the kernel offers them and the default read path does not use them.")
-def command(as_json: bool, rows: str, total_mib: int, reps: int, fsync_total_mib: int,
+def command(as_json: bool, rows: list[int], total_mib: int, reps: int, fsync_total_mib: int,
             recovery_records: int, lmcache_python: str, work_dir: str | None,
             with_uring: bool) -> None:
     """Store/load GB/s vs one-file-per-row and LMCache fs_native; recovery vs scandir."""
     work = Path(tempfile.mkdtemp(prefix="phx-bench-cache-", dir=work_dir))
     try:
-        sizes = [int(x) for x in rows.split(",")]
+        sizes = rows
         cases = [(b, max(1, (total_mib << 20) // b)) for b in sizes]
         if not os.path.exists(lmcache_python):
             click.echo(f"lmcache: skipped, no LMCache venv at {lmcache_python} (run "

@@ -184,9 +184,9 @@ def _gloo(ranks: int, cycles: int, barriers: int) -> dict[str, Any]:
 
 
 @click.command("domains")
-@click.option("--ranks", default=2, show_default=True)
-@click.option("--cycles", default=1000, show_default=True)
-@click.option("--barriers", default=2000, show_default=True)
+@click.option("--ranks", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--cycles", type=click.IntRange(1), default=1000, show_default=True)
+@click.option("--barriers", type=click.IntRange(1), default=2000, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def command(ranks: int, cycles: int, barriers: int, as_json: bool) -> None:
     """Allocate/barrier/release cycles and barrier latency: phalanx domains vs gloo."""

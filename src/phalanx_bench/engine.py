@@ -66,6 +66,7 @@ import click
 
 from phalanx import Orchestrator, Worker
 from phalanx.engine import LLM, SamplingParams, default_model_dir
+from phalanx.serve.cli.params import SHAPE
 
 from ._errors import BenchError
 from ._stats import emit, median
@@ -422,41 +423,39 @@ def _describe(model: Path) -> dict[str, Any]:
 
 
 @click.command("engine")
-@click.option("--tp", default=2, show_default=True)
-@click.option("--prompt-tokens", default=2048, show_default=True)
-@click.option("--reps", default=5, show_default=True,
+@click.option("--tp", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(1), default=2048, show_default=True)
+@click.option("--reps", type=click.IntRange(1), default=5, show_default=True,
               help="TTFT cases: each this many times, a prompt of its own each (medians)")
-@click.option("--decode-tokens", default=128, show_default=True)
-@click.option("--batch", default=16, show_default=True)
-@click.option("--large", default="8x512", show_default=True,
+@click.option("--decode-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--batch", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--large", default="8x512", show_default=True, type=SHAPE,
               help="LAYERSxHIDDEN of the larger `phalanx model init` model ('' for none)")
-@click.option("--max-num-batched-tokens", "max_batched", default=512, show_default=True,
+@click.option("--max-num-batched-tokens", "max_batched", type=click.IntRange(1), default=512,
+              show_default=True,
               help="the engine's prefill chunk (its default)")
-@click.option("--allreduce-bytes", default=4096, show_default=True)
-@click.option("--allreduce-iters", default=3000, show_default=True)
+@click.option("--allreduce-bytes", type=click.IntRange(1), default=4096, show_default=True)
+@click.option("--allreduce-iters", type=click.IntRange(1), default=3000, show_default=True)
 @click.option("--seed", default=0, show_default=True)
-@click.option("--settle-s", default=0.0, show_default=True,
+@click.option("--settle-s", type=click.FloatRange(0), default=0.0, show_default=True,
               help="seconds of idle before each timed phase, on both sides, after "
                    "phalanx's background disk writes are done")
 @click.option("--quick", is_flag=True,
               help="tiny sizes (a smoke test): 256-token prompt, 8 tokens, batch 4, no "
                    "large, no settling")
 @click.option("--json", "as_json", is_flag=True)
-def command(tp: int, prompt_tokens: int, reps: int, decode_tokens: int, batch: int, large: str,
+def command(tp: int, prompt_tokens: int, reps: int, decode_tokens: int, batch: int,
+            large: tuple[int, int] | None,
             max_batched: int, allreduce_bytes: int, allreduce_iters: int, seed: int,
             settle_s: float, quick: bool, as_json: bool) -> None:
     """phalanx.LLM beside transformers (TTFT, prefill, decode) and the TP all-reduce
     beside gloo's."""
     if quick:
-        prompt_tokens, decode_tokens, batch, large = 256, 8, 4, ""
+        prompt_tokens, decode_tokens, batch, large = 256, 8, 4, None
         allreduce_iters, reps, settle_s = 300, 1, 0.0
-    size = None
-    if large:
-        layers, _, hidden = large.lower().partition("x")
-        size = (int(layers), int(hidden))
     threads = len(os.sched_getaffinity(0))
     per_model: dict[str, Any] = {}
-    with _models(size) as models:
+    with _models(large) as models:
         for name, path in models.items():
             ours = run_phalanx(path, tp, prompt_tokens, reps, decode_tokens, batch, seed,
                                max_batched, settle_s)

@@ -45,6 +45,8 @@ from typing import Any
 
 import click
 
+from phalanx.serve.cli.params import BYTE_SIZE
+
 from ._errors import BenchError
 from ._stats import emit, median
 from .llamacpp_build import server_path
@@ -152,7 +154,7 @@ def _side(url: str, name: str, extra: dict[str, Any], drain: tuple[str, ...],
 
 def run(gguf: Path, binary: Path, tp: int, prompt_tokens: int, reps: int,
         decode_tokens: int, max_tokens: int, clients: int, systems: int, system_tokens: int,
-        kv_cache_size: str, ctx: int, seed: int, logs: Path) -> dict[str, Any]:
+        kv_cache_size: int, ctx: int, seed: int, logs: Path) -> dict[str, Any]:
     p = Prompts(gguf)
     threads = len(os.sched_getaffinity(0))
     misses = [p.text(p.ids(seed + 10 * i, prompt_tokens)) for i in range(reps)]
@@ -162,7 +164,7 @@ def run(gguf: Path, binary: Path, tp: int, prompt_tokens: int, reps: int,
     chats_l = _chats(p, clients, systems, system_tokens, seed + 50)
     warm = p.text(p.ids(seed + 7, 64))
     out: dict[str, Any] = {"threads": threads}
-    extra = ["--max-num-seqs", str(max(16, clients)), "--kv-cache-size", kv_cache_size]
+    extra = ["--max-num-seqs", str(max(16, clients)), "--kv-cache-size", str(kv_cache_size)]
     with tempfile.TemporaryDirectory(prefix="phx-bench-llamacpp-") as tmp, \
             servers() as started:
         disk = Path(tmp) / "disk"
@@ -269,21 +271,21 @@ def shape(raw: dict[str, Any], gguf: Path) -> dict[str, Any]:
 @click.option("--llama-server", "llama_server", default=None,
               type=click.Path(dir_okay=False, path_type=Path),
               help="the llama-server binary [default: bench/setup_llamacpp.sh's build]")
-@click.option("--tp", default=1, show_default=True,
+@click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
               help="phalanx's ranks (they share the machine's cores)")
-@click.option("--prompt-tokens", default=2048, show_default=True)
-@click.option("--reps", default=3, show_default=True)
-@click.option("--decode-tokens", default=128, show_default=True,
+@click.option("--prompt-tokens", type=click.IntRange(1), default=2048, show_default=True)
+@click.option("--reps", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--decode-tokens", type=click.IntRange(1), default=128, show_default=True,
               help="output tokens of the decode cases")
-@click.option("--max-tokens", default=64, show_default=True,
+@click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True,
               help="output tokens per chat client")
-@click.option("--clients", default=16, show_default=True)
-@click.option("--system-prompts", "systems", default=4, show_default=True)
-@click.option("--system-tokens", default=512, show_default=True)
-@click.option("--kv-cache-size", default="384M", show_default=True,
+@click.option("--clients", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--system-prompts", "systems", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--system-tokens", type=click.IntRange(1), default=512, show_default=True)
+@click.option("--kv-cache-size", default="384M", show_default=True, type=BYTE_SIZE,
               help="phalanx's KV memory per rank (384M: 16,384 tokens of this model, "
                    "llama-server's --ctx)")
-@click.option("--ctx", default=16384, show_default=True,
+@click.option("--ctx", type=click.IntRange(1), default=16384, show_default=True,
               help="llama-server's context (its unified KV pool over every slot)")
 @click.option("--logs", default=None, type=click.Path(file_okay=False, path_type=Path),
               help="keep the servers' logs here [default: a temporary directory]")
@@ -293,7 +295,7 @@ def shape(raw: dict[str, Any], gguf: Path) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True)
 def command(model_file: Path | None, llama_server: Path | None, tp: int, prompt_tokens: int,
             reps: int, decode_tokens: int, max_tokens: int, clients: int, systems: int,
-            system_tokens: int, kv_cache_size: str, ctx: int, logs: Path | None, seed: int,
+            system_tokens: int, kv_cache_size: int, ctx: int, logs: Path | None, seed: int,
             quick: bool, as_json: bool) -> None:
     """phalanx serve beside llama.cpp's llama-server on one GGUF file: TTFT (miss,
     memory hit, after a restart), decode b1/b16, 16-client throughput, memory."""

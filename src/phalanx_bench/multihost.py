@@ -45,6 +45,8 @@ from typing import Any
 
 import click
 
+from phalanx.serve.cli.params import INT_LIST
+
 from ._stats import emit
 from .multihost_launch import NODES, Ctx, NotBuilt, launch
 from .multihost_serve import LAYOUTS, decode, decode_options
@@ -279,17 +281,19 @@ def _unwind(signum: int, _frame: FrameType | None) -> None:
 
 
 @click.command("multihost")
-@click.option("--repeats", default=3, show_default=True)
-@click.option("--pings", default=2000, show_default=True, help="TCP ping-pongs per run.")
-@click.option("--bulk-mib", default=64, show_default=True)
-@click.option("--bulk-reps", default=3, show_default=True)
-@click.option("--rendezvous-rounds", default=6, show_default=True)
-@click.option("--allreduce-bytes", default="4096,65536", show_default=True)
-@click.option("--allreduce-iters", default=2000, show_default=True)
-@click.option("--cycles", default=100, show_default=True, help="group and domain cycles.")
-@click.option("--decode-tokens", default=128, show_default=True,
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--pings", type=click.IntRange(1), default=2000, show_default=True,
+              help="TCP ping-pongs per run.")
+@click.option("--bulk-mib", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--bulk-reps", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--rendezvous-rounds", type=click.IntRange(1), default=6, show_default=True)
+@click.option("--allreduce-bytes", default="4096,65536", show_default=True, type=INT_LIST)
+@click.option("--allreduce-iters", type=click.IntRange(1), default=2000, show_default=True)
+@click.option("--cycles", type=click.IntRange(1), default=100, show_default=True,
+              help="group and domain cycles.")
+@click.option("--decode-tokens", type=click.IntRange(1), default=128, show_default=True,
               help="tokens of each timed streamed request (greedy, ignore_eos).")
-@click.option("--decode-requests", default=3, show_default=True,
+@click.option("--decode-requests", type=click.IntRange(1), default=3, show_default=True,
               help="timed requests per server start (after a warm-up request).")
 @click.option("--decode/--no-decode", "with_decode", default=True, show_default=True,
               help="serve the model and time decode (4 server starts per repeat).")
@@ -300,7 +304,7 @@ def _unwind(signum: int, _frame: FrameType | None) -> None:
               help="measure only these figures (repeatable); default: all.")
 @click.option("--json", "as_json", is_flag=True)
 def command(repeats: int, pings: int, bulk_mib: int, bulk_reps: int,
-            rendezvous_rounds: int, allreduce_bytes: str, allreduce_iters: int, cycles: int,
+            rendezvous_rounds: int, allreduce_bytes: list[int], allreduce_iters: int, cycles: int,
             decode_tokens: int, decode_requests: int, with_decode: bool, quick: bool,
             only: tuple[str, ...], as_json: bool) -> None:
     """3 hosts x 1 rank (and 2 x 2) on network namespaces vs one host: link, rendezvous,
@@ -310,7 +314,7 @@ def command(repeats: int, pings: int, bulk_mib: int, bulk_reps: int,
     opts: dict[str, Any] = {
         "pings": pings, "bulk_mib": bulk_mib, "bulk_reps": bulk_reps,
         "rendezvous_rounds": rendezvous_rounds, "allreduce_iters": allreduce_iters,
-        "cycles": cycles, "allreduce_bytes": [int(x) for x in allreduce_bytes.split(",")],
+        "cycles": cycles, "allreduce_bytes": allreduce_bytes,
         "repl_records": 1500}
     if quick:
         repeats = 1

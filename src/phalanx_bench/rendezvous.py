@@ -94,9 +94,9 @@ def _torch_round(kind: str, ranks: int, first: int, n: int,
 
 
 @click.command("rendezvous")
-@click.option("--ranks", default=2, show_default=True)
-@click.option("--handshakes", default=10_000, show_default=True)
-@click.option("--rounds", default=5, show_default=True,
+@click.option("--ranks", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--handshakes", type=click.IntRange(1), default=10_000, show_default=True)
+@click.option("--rounds", type=click.IntRange(1), default=5, show_default=True,
               help="Visit the systems in turn this many times (drift hits all alike).")
 @click.option("--json", "as_json", is_flag=True)
 def command(ranks: int, handshakes: int, rounds: int, as_json: bool) -> None:

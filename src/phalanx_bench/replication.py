@@ -382,18 +382,18 @@ def _burst(w: Worker, tmp: str, burst: int, links: Links, ranks: int, requests: 
 
 @click.command()
 @click.option("--peers", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--records", type=int, default=20_000, show_default=True,
+@click.option("--records", type=click.IntRange(1), default=20_000, show_default=True,
               help="tiny records expired in the small lane")
-@click.option("--stores", type=int, default=300, show_default=True)
+@click.option("--stores", type=click.IntRange(1), default=300, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1), default=4, show_default=True,
               help="store requests in flight in the store lane")
-@click.option("--burst", type=int, default=100_000, show_default=True)
-@click.option("--requests", type=int, default=300, show_default=True,
+@click.option("--burst", type=click.IntRange(1), default=100_000, show_default=True)
+@click.option("--requests", type=click.IntRange(1), default=300, show_default=True,
               help="idle store requests timed (half before the burst, half after)")
 @click.option("--request-interval-ms", "interval_ms", type=click.FloatRange(0), default=20.0,
               show_default=True, help="time between store requests, idle and in the burst")
-@click.option("--window", type=int, default=64, show_default=True)
-@click.option("--reserve", type=int, default=None,
+@click.option("--window", type=click.IntRange(2), default=64, show_default=True)
+@click.option("--reserve", type=click.IntRange(0), default=None,
               help="credits only requests may take (default: the cache's, window // 4)")
 @click.option("--rank-scheduler", type=click.Choice(["batch", "other"]), default="batch",
               show_default=True, help="the ranks' CPU scheduling policy (Worker's option)")

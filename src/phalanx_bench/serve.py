@@ -579,23 +579,24 @@ def _shape(raw: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
 @click.command("serve")
 @click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
               help="a Hugging Face model directory [default: the embedded model]")
-@click.option("--tp", default=2, show_default=True)
-@click.option("--prompt-tokens", default=2048, show_default=True)
-@click.option("--reps", default=3, show_default=True,
+@click.option("--tp", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(1), default=2048, show_default=True)
+@click.option("--reps", type=click.IntRange(1), default=3, show_default=True,
               help="single-prompt cases: each this many times, a prompt of its own each")
-@click.option("--pairs", default=8, show_default=True,
+@click.option("--pairs", type=click.IntRange(1), default=8, show_default=True,
               help="cold misses for miss_overhead: this many prompts, each on the cache-"
                    "enabled and the disk-off server in turn (ABBA order)")
-@click.option("--warmups", default=8, show_default=True,
+@click.option("--warmups", type=click.IntRange(1), default=8, show_default=True,
               help="untimed misses on each phalanx server before the pairs")
-@click.option("--max-tokens", default=64, show_default=True, help="output tokens per request")
-@click.option("--clients", default=16, show_default=True)
-@click.option("--system-prompts", "systems", default=4, show_default=True)
-@click.option("--system-tokens", default=512, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True,
+              help="output tokens per request")
+@click.option("--clients", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--system-prompts", "systems", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--system-tokens", type=click.IntRange(1), default=512, show_default=True)
 @click.option("--transformers-mode", type=click.Choice(["continuous", "static"]),
               default="continuous", show_default=True)
 @click.option("--no-transformers", is_flag=True, help="phalanx only")
-@click.option("--settle-s", default=0.0, show_default=True,
+@click.option("--settle-s", type=click.FloatRange(0), default=0.0, show_default=True,
               help="idle seconds before each single-prompt request, on every server "
                    "(after phalanx's background disk writes are done)")
 @click.option("--logs", default=None, type=click.Path(file_okay=False),

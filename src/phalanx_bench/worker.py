@@ -74,9 +74,11 @@ def _figures(start: list[float], close: list[float], rtt: list[float]) -> dict[s
 
 
 @click.command("worker")
-@click.option("--ranks", default=2, show_default=True)
-@click.option("--starts", default=10, show_default=True, help="start/close cycles per side")
-@click.option("--tasks", default=5000, show_default=True, help="round trips per side")
+@click.option("--ranks", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--starts", type=click.IntRange(1), default=10, show_default=True,
+              help="start/close cycles per side")
+@click.option("--tasks", type=click.IntRange(1), default=5000, show_default=True,
+              help="round trips per side")
 @click.option("--rank-scheduler", type=click.Choice(["batch", "other"]), default="batch",
               show_default=True, help="the ranks' CPU scheduling policy (Worker's option)")
 @click.option("--json", "as_json", is_flag=True, help="print only the JSON line")

@@ -49,8 +49,12 @@ from typing import TYPE_CHECKING
 
 from ..kvstore import KeyChain
 from ..lifecycle import PhalanxError
+from ..lifecycle.failpoints import Failpoint
 from ..replication import Lease
 from ._errors import EngineError
+
+# the disk tier's lookup is about to ask rank 0 (a fault here fails the schedule)
+_LOOKUP = Failpoint("engine.disk.lookup")
 
 if TYPE_CHECKING:
     from ..replication import ReplicatedCache
@@ -199,6 +203,7 @@ class DiskTier:
         self.stats.lookups += 1
         releases, self._releases = self._releases, []
         try:
+            _LOOKUP.hit()
             n, lease = self.group.on_rank0(rank_lookup, self.cache.cache_id, list(keys),
                                            self.page_tokens, self.fingerprint, start,
                                            releases)

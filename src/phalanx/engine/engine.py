@@ -366,7 +366,13 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         self._check_alive()
-        plan, aborted = self.scheduler.schedule()
+        try:
+            plan, aborted = self.scheduler.schedule()
+        except Exception as exc:  # noqa: BLE001  a half-done schedule cannot be trusted
+            # earlier admissions of this schedule may have keyed pages whose disk loads
+            # now never run: a later prefix hit would read pages without their KV, so
+            # the engine is poisoned rather than left half-keyed (issue 34)
+            return self._die(exc, "while scheduling")
         outs = [self._finish(self._by_seq[s.seq_id], FinishReason.ABORT) for s in aborted]
         if plan is None:
             if self.scheduler.has_work and not outs:
@@ -384,7 +390,7 @@ class Engine:
             disk = self.disk_tier.loads(plan) if self.disk_tier is not None else None
             raw = self.group.execute(encode_plan(plan), disk)
         except Exception as exc:  # noqa: BLE001  any failure of a step kills the engine
-            return outs + self._die(exc, plan.step)
+            return outs + self._die(exc, f"during step {plan.step}")
         result = decode_result(raw)
         if result.load_failures and self.disk_tier is not None:
             self.disk_tier.load_failed(plan, result.load_failures)  # the step ran nowhere
@@ -392,10 +398,12 @@ class Engine:
             outs.append(self._advance(s))
         return outs
 
-    def _die(self, exc: BaseException, step: int) -> list[RequestOutput]:
+    def _die(self, exc: BaseException, when: str) -> list[RequestOutput]:
         rank = getattr(exc, "rank", None)
         who = f"rank {rank}" if rank is not None else "a rank"
-        dead = EngineDeadError(f"engine: {who} failed during step {step}: {exc}")
+        if when == "while scheduling":
+            who = "the scheduler"
+        dead = EngineDeadError(f"engine: {who} failed {when}: {type(exc).__name__}: {exc}")
         dead.__cause__ = exc
         self._dead = dead
         outs = []

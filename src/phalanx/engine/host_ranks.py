@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 
 from phalanx.hosts.worker import HostLostError
 
-from ._errors import EngineError
+from ._errors import EngineDeadError, EngineError
 from .disk_tier import DiskLoads
 from .host_domains import TP_WINDOW, open_host_domain, release_host_domain
 from .quiet import QuietGate
@@ -178,10 +178,16 @@ class HostRankGroup:
             return failed
         return first
 
-    def execute(self, plan: bytes, disk: Any = None) -> bytes:
-        """Run one encoded plan on every rank; rank 0's encoded result."""
+    def _check_usable(self) -> None:
+        """A failed or closed group refuses at once: its ranks' runners are gone."""
         if self.dead is not None:
             raise self.dead
+        if not self._opened:
+            raise EngineDeadError("the engine's ranks were closed")
+
+    def execute(self, plan: bytes, disk: Any = None) -> bytes:
+        """Run one encoded plan on every rank; rank 0's encoded result."""
+        self._check_usable()
         with self._quiet.call():
             futs = [self.worker.submit(r, execute_rank, self.runner_id, plan, disk,
                                        timeout=self._step_timeout)
@@ -195,6 +201,7 @@ class HostRankGroup:
 
     def on_rank0(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on rank 0 (the disk tier's lookups); its typed result."""
+        self._check_usable()
         with self._quiet.call():
             return cast(T, self.worker.call(0, fn, *args, timeout=self._step_timeout))
 

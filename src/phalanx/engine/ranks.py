@@ -18,9 +18,10 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
 
-from ._errors import EngineError
+from ._errors import EngineDeadError, EngineError
 from .devices import DevicePlan
 from .quiet import QuietGate
 
@@ -147,9 +148,23 @@ def _rank_close(runner_id: str, leave_group: bool = False) -> None:
 # -- the parent side ------------------------------------------------------------------
 
 _ids = itertools.count(1)
-# (a step's plan and its disk loads, or a function and arguments for rank 0; its future)
-_Job = tuple[tuple[bytes, Any] | tuple[Callable[..., Any], tuple[Any, ...]],
-             concurrent.futures.Future[Any]]
+@dataclass(frozen=True)
+class _Step:
+    """One encoded step plan for every rank, with its disk loads."""
+
+    plan: bytes
+    disk: Any
+
+
+@dataclass(frozen=True)
+class _OnRank0:
+    """A call on rank 0 alone (the disk tier's lookup): its error is the caller's."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+
+
+_Job = tuple[_Step | _OnRank0, concurrent.futures.Future[Any]]
 
 
 def rank_env() -> dict[str, str]:
@@ -230,6 +245,11 @@ class RankGroup:
         self._opened: concurrent.futures.Future[list[dict[str, Any]]] = (
             concurrent.futures.Future())
         self.dead: BaseException | None = None
+        # Jobs are queued and the queue is drained under this lock, and once the serving
+        # run has stopped taking jobs (_refusing) a submission fails at once: a job
+        # queued after the drain would otherwise wait out the backstop (issue 34).
+        self._jobs_lock = threading.Lock()
+        self._refusing: BaseException | None = None
         # the parent's calls in progress: background work (the disk tier's stores and
         # maintenance) waits for a quiet moment (wait_quiet)
         self._quiet = QuietGate()
@@ -240,6 +260,7 @@ class RankGroup:
                                               staging)
             self.memory = self._opened.result(timeout=start_timeout)
         except BaseException:
+            self._stop_taking(EngineDeadError("the engine's ranks failed to start"))
             self._jobs.put(None)
             self.worker.close()
             self._store = None
@@ -269,17 +290,15 @@ class RankGroup:
                 job = self._jobs.get()
                 if job is None:
                     break
-                (what, args), fut = job
-                if callable(what):
-                    # a call on rank 0 alone (the disk tier's lookup): its error is the
-                    # caller's, not the group's
+                what, fut = job
+                if isinstance(what, _OnRank0):
                     try:
-                        fut.set_result(o.submit(0, what, *args).result())
+                        fut.set_result(o.submit(0, what.fn, *what.args).result())
                     except Exception as exc:  # noqa: BLE001  handed to the caller
                         fut.set_exception(exc)
                     continue
                 try:
-                    outs = [o.submit(r, _rank_execute, self.runner_id, what, args)
+                    outs = [o.submit(r, _rank_execute, self.runner_id, what.plan, what.disk)
                             for r in o.ranks]
                     first = outs[0].result()
                     for f in outs[1:]:
@@ -293,9 +312,10 @@ class RankGroup:
             self.dead = self.dead or exc
             if not self._opened.done():
                 self._opened.set_exception(exc)
-            self._fail_queued(exc)
+            self._stop_taking(exc)
             raise
         finally:
+            self._stop_taking(EngineDeadError("the engine's ranks were closed"))
             if opened:
                 self._close_runners(o)
             if domain is not None:
@@ -318,31 +338,38 @@ class RankGroup:
                 log.warning("engine: closing the runner on rank %d after a failure: %r",
                             rank, out.error)
 
-    def _fail_queued(self, exc: BaseException) -> None:
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job[1].set_exception(exc)
+    def _stop_taking(self, exc: BaseException) -> None:
+        """From now on a submission fails with ``exc`` (the first reason given stays);
+        what is queued fails with it now."""
+        with self._jobs_lock:
+            if self._refusing is None:
+                self._refusing = exc
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if job is not None:
+                    job[1].set_exception(self._refusing)
 
     def execute(self, plan: bytes, disk: Any = None) -> bytes:
         """Run one encoded plan on every rank (``disk``: its disk loads); rank 0's
         encoded result."""
-        return bytes(self._submit((plan, disk)))
+        return bytes(self._submit(_Step(plan, disk)))
 
     def on_rank0(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` as a task on rank 0, through the run that serves the steps (no
         run of its own to start): the disk tier's lookups."""
-        return cast(T, self._submit((fn, args)))
+        return cast(T, self._submit(_OnRank0(fn, args)))
 
-    def _submit(self, what: tuple[Any, Any]) -> Any:
-        if self.dead is not None:
-            raise self.dead
+    def _submit(self, what: _Step | _OnRank0) -> Any:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._quiet.call():
-            self._jobs.put((what, fut))
+            with self._jobs_lock:
+                refused = self.dead or self._refusing
+                if refused is not None:
+                    raise refused
+                self._jobs.put((what, fut))
             # the tasks carry the step deadline; this one only backs it up
             return fut.result(timeout=self._step_timeout * 2 + 30)
 
@@ -358,7 +385,10 @@ class RankGroup:
         return self._quiet.wait(gap, timeout)
 
     def close(self, timeout: float = 60.0) -> None:
-        self._jobs.put(None)
+        with self._jobs_lock:  # what is queued runs first; nothing is queued after
+            if self._refusing is None:
+                self._refusing = EngineDeadError("the engine's ranks were closed")
+            self._jobs.put(None)
         try:
             self._handle.wait(timeout)
         finally:

@@ -87,6 +87,14 @@ POINTS: dict[str, dict[str, str]] = {
         "cache.link.send": "rank: rank 0's link writer is about to send a batch",
         "cache.replica.apply": "rank: a peer is about to apply one of rank 0's ops",
     },
+    "engine": {
+        "engine.disk.lookup": "parent: the scheduler's disk tier lookup is about to ask "
+                              "rank 0 for a prompt's pages",
+    },
+    "serve": {
+        "serve.driver.admit": "parent: a request passed its first admission check; its "
+                              "stream is not yet registered with the engine thread",
+    },
 }
 
 #: The layers bottom to top, as in DESIGN.md "Layers" (kvstore and rendezvous are peers).

@@ -48,6 +48,7 @@ __all__ = [
     "fired",
     "parse_spec",
     "set_process_rank",
+    "wait_fired",
 ]
 
 ENV_VAR = "PHALANX_FAILPOINTS"
@@ -66,6 +67,10 @@ class Action(enum.Enum):
     KILL = "kill"  # SIGKILL this process: the point's step never completes
     EXIT = "exit"  # os._exit(arg or 1) without cleanup
     ERRNO = "errno"  # raise OSError(arg) as the step's system call would (root ignores modes)
+    # block until the point is disarmed (at most `arg` seconds, default 60, then raise
+    # FailpointError): a test holds one thread at a step, does what a racing thread
+    # would do meanwhile, and lets it go -- an interleaving without a timer
+    PAUSE = "pause"
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,8 @@ _ARMED: dict[str, Arming] = {}
 _HITS: dict[str, int] = {}
 _FIRED: dict[str, int] = {}
 _LOCK = threading.Lock()
+# a paused hit waits here for its point's disarm; wait_fired for a point's hits
+_DISARMED = threading.Condition(_LOCK)
 _PROCESS_RANK: int | None = None
 
 
@@ -139,11 +146,18 @@ def _maybe_fire(name: str) -> None:
         if arming.times is not None and fired >= arming.times:
             return
         _FIRED[name] = fired + 1
+        _DISARMED.notify_all()  # wait_fired
     if arming.action is Action.RAISE:
         raise FailpointError(name, _PROCESS_RANK)
     if arming.action is Action.HANG:
         time.sleep(3600.0 if arming.arg is None else arming.arg)
         raise FailpointError(name, _PROCESS_RANK)
+    if arming.action is Action.PAUSE:
+        with _DISARMED:
+            released = _DISARMED.wait_for(lambda: _ARMED.get(name) is not arming,
+                                          60.0 if arming.arg is None else arming.arg)
+        if not released:
+            raise FailpointError(name, _PROCESS_RANK)
     if arming.action is Action.DELAY:  # a slow step: a window for a race to open
         time.sleep(1.0 if arming.arg is None else arming.arg)
     if arming.action is Action.KILL:
@@ -230,6 +244,7 @@ def arm(name: str, spec: str | Arming = "raise") -> None:
 def disarm(name: str) -> None:
     with _LOCK:
         _ARMED.pop(name, None)
+        _DISARMED.notify_all()
 
 
 def disarm_all() -> None:
@@ -237,6 +252,20 @@ def disarm_all() -> None:
         _ARMED.clear()
         _HITS.clear()
         _FIRED.clear()
+        _DISARMED.notify_all()
+
+
+def wait_fired(name: str, count: int = 1, timeout: float = 60.0) -> bool:
+    """Wait until ``name`` fired ``count`` times in this process since it was armed
+    (a paused point: a thread is held there now); False at the deadline."""
+    deadline = time.monotonic() + timeout
+    with _DISARMED:
+        while _FIRED.get(name, 0) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            _DISARMED.wait(left)
+    return True
 
 
 def armed() -> dict[str, str]:

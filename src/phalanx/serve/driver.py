@@ -34,6 +34,7 @@ from typing import Any
 from phalanx.engine import Engine, RequestOutput, SamplingParams
 from phalanx.engine.tokenizer import Tokenizer
 from phalanx.errors import EngineDeadError
+from phalanx.lifecycle.failpoints import Failpoint
 
 from .api.engine_client import Delta, Health
 from .api.errors import APIError
@@ -50,6 +51,9 @@ _STATS_WAIT_S = 5.0   # a scrape waits at most this long for the next step bound
 # the cores (2 here) from the event loop and the client, and the first token reached
 # the client 1-9 ms after its step ended (issue 15's profile of one disk hit).
 _FLUSH_WAIT_S = 0.005
+
+# a request passed admission's first checks; its stream is about to be registered
+_ADMIT = Failpoint("serve.driver.admit")
 
 
 @dataclass
@@ -185,10 +189,15 @@ class EngineDriver:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[Delta]:
-        if self._dead is not None:
-            raise EngineDeadError(str(self._dead))
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        _ADMIT.hit()
         with self._lock:
+            # under the lock _die and close take their snapshot of the streams in: a
+            # stream is either in that snapshot (it gets the error) or refused here
+            if self._dead is not None:
+                raise EngineDeadError(str(self._dead))
+            if self._stopping:
+                raise EngineDeadError("the server is shutting down")
             if len(self._slots) >= self.max_pending:
                 raise APIError(503, f"the server is at capacity: {len(self._slots)} "
                                f"requests in flight (limit {self.max_pending}); retry shortly",
@@ -299,7 +308,8 @@ class EngineDriver:
 
     def _dispatch(self, out: RequestOutput) -> None:
         comp = out.outputs[0]
-        stream = self._streams.get(out.request_id)
+        with self._lock:
+            stream = self._streams.get(out.request_id)
         if out.error is not None:
             self._deliver(out.request_id, out.error, final=True)
             return
@@ -333,10 +343,10 @@ class EngineDriver:
         self._deliver(out.request_id, delta, final=out.finished)
 
     def _die(self, exc: BaseException) -> None:
-        self._dead = exc
         log.error("engine died: %s", exc)
         err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc))
         with self._lock:
+            self._dead = exc
             streams = list(self._streams)
         for rid in streams:
             self._deliver(rid, err, final=True)
@@ -345,7 +355,8 @@ class EngineDriver:
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the thread (what is in flight is aborted), then close the engine."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
         with self._lock:

@@ -43,13 +43,22 @@ class Supervisor:
         self._on_fatal = on_fatal
         self._restarts: deque[float] = deque()
         self.restart_count = 0
+        # Everything below changes under _lock. Each driver is a generation, and its
+        # death report names it: a report from a driver already replaced is ignored, and
+        # one from the driver a heal is still installing is kept (_pending) and healed
+        # once that driver is installed, not dropped (issue 34).
         self._lock = threading.Lock()
         self._closing = False
         self._fatal: str | None = None
         self._restarting: threading.Thread | None = None
-        self._driver: EngineDriver | None = start(self._died)
+        self._generation = 0
+        self._pending: BaseException | None = None
+        self._driver: EngineDriver | None = start(self._reporter(0))
         self.model_name = self._driver.model_name
         self.max_model_len = self._driver.max_model_len
+
+    def _reporter(self, generation: int) -> Callable[[BaseException], None]:
+        return lambda exc: self._died(generation, exc)
 
     @property
     def driver(self) -> EngineDriver:
@@ -94,10 +103,16 @@ class Supervisor:
 
     # -- death and restart --------------------------------------------------------------
 
-    def _died(self, exc: BaseException) -> None:
-        """Called on the engine thread when the engine died."""
+    def _died(self, generation: int, exc: BaseException) -> None:
+        """Called on a driver's engine thread when its engine died."""
         with self._lock:
-            if self._closing or self._restarting is not None:
+            if self._closing:
+                return
+            if self._restarting is not None:
+                if generation == self._generation + 1:  # the one being installed
+                    self._pending = exc
+                return
+            if generation != self._generation:  # a driver already replaced
                 return
             now = time.monotonic()
             while self._restarts and now - self._restarts[0] > self._window:
@@ -110,41 +125,52 @@ class Supervisor:
                                f"{exc}")
             else:
                 self._restarts.append(now)
-                self._restarting = threading.Thread(target=self._heal, args=(exc,),
-                                                    name="phalanx-restart", daemon=True)
+                old, self._driver = self._driver, None
+                self._restarting = threading.Thread(
+                    target=self._heal, args=(exc, old, generation + 1),
+                    name="phalanx-restart", daemon=True)
                 self._restarting.start()
                 return
         log.error("%s", self._fatal)
         if self._on_fatal is not None:
             self._on_fatal(self._fatal or "")
 
-    def _heal(self, exc: BaseException) -> None:
+    def _heal(self, exc: BaseException, old: EngineDriver | None, generation: int) -> None:
         log.warning("engine died (%s); restarting its ranks", exc)
-        old, self._driver = self._driver, None
         try:
             if old is not None:
                 old.close()
         except Exception as close_exc:  # noqa: BLE001  the old ranks are gone either way
             log.warning("closing the dead engine reported: %s", close_exc)
+        driver: EngineDriver | None = None
         try:
-            if self._closing:
-                return
-            driver = self._start(self._died)
+            if not self._closing:
+                driver = self._start(self._reporter(generation))
         except Exception as start_exc:  # noqa: BLE001  a failed restart is fatal
-            self._fatal = f"the engine died ({exc}) and could not be restarted: {start_exc}"
+            with self._lock:
+                self._fatal = (f"the engine died ({exc}) and could not be restarted: "
+                               f"{start_exc}")
+                self._restarting = None
             log.error("%s", self._fatal)
             if self._on_fatal is not None:
                 self._on_fatal(self._fatal)
             return
-        finally:
-            with self._lock:
-                self._restarting = None
-        if self._closing:
+        with self._lock:  # installed, counted and the heal over in one step
+            closing = self._closing
+            if driver is not None and not closing:
+                self._driver = driver
+                self._generation = generation
+                self.restart_count += 1
+            self._restarting = None
+            pending, self._pending = self._pending, None
+        if driver is None:
+            return
+        if closing:
             driver.close()
             return
-        self.restart_count += 1
-        self._driver = driver
         log.warning("engine restarted (%d restart(s) so far)", self.restart_count)
+        if pending is not None:  # it died while it was being installed
+            self._died(generation, pending)
 
     def close(self, timeout: float = 60.0) -> None:
         with self._lock:

@@ -168,7 +168,8 @@ def _exit_on_error(what: str) -> Iterator[None]:
 @cache.command("maintain")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--tp", type=click.IntRange(1), required=True)
-@click.option("--max-age", type=float, default=None, help="Expire leaf records older (s).")
+@click.option("--max-age", type=click.FloatRange(0, min_open=True), default=None,
+              help="Expire leaf records older (s).")
 @click.option("--capacity", type=click.IntRange(1), default=1 << 60, help="Bytes per rank.")
 @_model_options
 @click.option("--window", type=click.IntRange(2), default=64, show_default=True)

@@ -20,7 +20,8 @@ def _orch(o: Orchestrator, n: int) -> list[tuple[int | None, int, int]]:
 
 
 @click.command("demo")
-@click.option("--ranks", default=3, show_default=True, help="rank processes to start")
+@click.option("--ranks", type=click.IntRange(1), default=3, show_default=True,
+              help="rank processes to start")
 def demo(ranks: int) -> None:
     """Start a Worker, run one task per rank, print the answers and the stats, close."""
     t0 = time.perf_counter()

@@ -17,6 +17,7 @@ from phalanx.rendezvous.sweep import DEFAULT_LEASE_EXPIRY_S
               help="default: $PHALANX_RUNTIME_DIR, $XDG_RUNTIME_DIR/phalanx or /tmp/phalanx-<uid>")
 @click.option("--reclaim", is_flag=True, help="remove generations whose owner is provably dead")
 @click.option("--lease-expiry", default=DEFAULT_LEASE_EXPIRY_S, show_default=True,
+              type=click.FloatRange(0, min_open=True),
               help="seconds after which another host's silent owner counts as dead")
 @click.option("--json", "as_json", is_flag=True)
 def doctor(runtime_dir: Path | None, reclaim: bool, lease_expiry: float, as_json: bool) -> None:

@@ -18,21 +18,22 @@ def model() -> None:
 
 @model.command("init")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--layers", default=_D["layers"], show_default=True, type=int)
-@click.option("--hidden", default=_D["hidden"], show_default=True, type=int)
-@click.option("--heads", default=_D["heads"], show_default=True, type=int)
-@click.option("--kv-heads", default=_D["kv_heads"], show_default=True, type=int)
-@click.option("--intermediate", default=None, type=int,
+@click.option("--layers", default=_D["layers"], show_default=True, type=click.IntRange(1))
+@click.option("--hidden", default=_D["hidden"], show_default=True, type=click.IntRange(1))
+@click.option("--heads", default=_D["heads"], show_default=True, type=click.IntRange(1))
+@click.option("--kv-heads", default=_D["kv_heads"], show_default=True, type=click.IntRange(1))
+@click.option("--intermediate", default=None, type=click.IntRange(1),
               help="MLP width (default: 688 for the default hidden size, else ~8/3 hidden "
                    "rounded to 16)")
-@click.option("--vocab", default=_D["vocab"], show_default=True, type=int,
+@click.option("--vocab", default=_D["vocab"], show_default=True, type=click.IntRange(1),
               help="model vocabulary (ids beyond what the embedded text trains stay unused)")
 @click.option("--arch", type=click.Choice(["llama", "qwen2", "mistral"]), default="llama",
               show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               default="float32", show_default=True)
 @click.option("--seed", default=_D["seed"], show_default=True, type=int)
-@click.option("--max-position", default=_D["max_position"], show_default=True, type=int)
+@click.option("--max-position", default=_D["max_position"], show_default=True,
+              type=click.IntRange(1))
 @click.option("--tie/--no-tie", default=False, show_default=True,
               help="tie the LM head to the embedding")
 @click.option("--name", default="phalanx-custom", show_default=True)

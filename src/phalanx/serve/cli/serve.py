@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from .params import BYTE_SIZE
+
 # Sizes of the embedded reference model (written on first use, same bytes everywhere).
 MODEL_SIZES = {
     "tiny": {},  # the embedded default
@@ -15,12 +17,6 @@ MODEL_SIZES = {
 }
 
 
-def _size(value: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    v = value.strip().lower().removesuffix("b").removesuffix("i")
-    if v and v[-1] in units:
-        return int(float(v[:-1]) * units[v[-1]])
-    return int(v)
 
 
 def _embedded(size: str) -> str:
@@ -31,49 +27,52 @@ def _embedded(size: str) -> str:
 
 @click.command("serve")
 @click.argument("model_dir", required=False, type=click.Path(exists=True))
-@click.option("--tensor-parallel-size", "--tp", "tp", default=2, show_default=True, type=int,
+@click.option("--tensor-parallel-size", "--tp", "tp", default=2, show_default=True,
+              type=click.IntRange(1),
               help="rank processes the model is split across")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--api-key", default=None, envvar="PHALANX_API_KEY",
               help="require 'Authorization: Bearer KEY' (also $PHALANX_API_KEY)")
 @click.option("--served-model-name", default=None, help="the model name clients send")
-@click.option("--max-model-len", default=None, type=int, help="context length (prompt + output)")
-@click.option("--max-num-seqs", default=16, show_default=True, type=int,
+@click.option("--max-model-len", default=None, type=click.IntRange(1),
+              help="context length (prompt + output)")
+@click.option("--max-num-seqs", default=16, show_default=True, type=click.IntRange(1),
               help="requests in the running batch")
-@click.option("--max-num-batched-tokens", default=512, show_default=True, type=int)
-@click.option("--max-waiting", default=256, show_default=True, type=int,
+@click.option("--max-num-batched-tokens", default=512, show_default=True, type=click.IntRange(1))
+@click.option("--max-waiting", default=256, show_default=True, type=click.IntRange(0),
               help="requests queued beyond the batch before a 503")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               default="auto", show_default=True)
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda (rank r on GPU r; TP over NCCL) or cuda:N")
-@click.option("--kv-cache-size", default="256M", show_default=True,
+@click.option("--kv-cache-size", default="256M", show_default=True, type=BYTE_SIZE,
               help="KV memory per rank (the memory tier)")
 @click.option("--prefix-cache-disk", default=None, type=click.Path(file_okay=False),
               help="the persistent prefix cache's directory [default: the user's cache dir]")
-@click.option("--prefix-cache-disk-size", default="4G", show_default=True,
+@click.option("--prefix-cache-disk-size", default="4G", show_default=True, type=BYTE_SIZE,
               help="its capacity per rank")
-@click.option("--prefix-cache-max-age", default=None, type=float, help="seconds")
+@click.option("--prefix-cache-max-age", default=None, type=click.FloatRange(0, min_open=True),
+              help="seconds")
 @click.option("--no-prefix-cache-disk", is_flag=True, help="memory tier only")
 @click.option("--model-size", type=click.Choice(sorted(MODEL_SIZES)), default="tiny",
               show_default=True, help="size of the embedded model (no MODEL_DIR)")
 @click.option("--no-restart", is_flag=True,
               help="exit non-zero when a rank dies instead of restarting the ranks")
-@click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
+@click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
               help="seconds in-flight requests get at SIGTERM")
-@click.option("--nnodes", default=1, show_default=True, type=int,
+@click.option("--nnodes", default=1, show_default=True, type=click.IntRange(1),
               help="hosts the ranks span (each runs tp / nnodes ranks)")
-@click.option("--node-rank", default=0, show_default=True, type=int,
+@click.option("--node-rank", default=0, show_default=True, type=click.IntRange(0),
               help="this host's rank: 0 serves HTTP, the others run headless")
 @click.option("--master-addr", default="127.0.0.1", show_default=True,
               help="node 0's address (the job's rendezvous and store)")
-@click.option("--master-port", default=29500, show_default=True, type=int)
+@click.option("--master-port", default=29500, show_default=True, type=click.IntRange(1, 65535))
 def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | None,
           served_model_name: str | None, max_model_len: int | None, max_num_seqs: int,
           max_num_batched_tokens: int, max_waiting: int, dtype: str, device: str,
-          kv_cache_size: str,
-          prefix_cache_disk: str | None, prefix_cache_disk_size: str,
+          kv_cache_size: int,
+          prefix_cache_disk: str | None, prefix_cache_disk_size: int,
           prefix_cache_max_age: float | None, no_prefix_cache_disk: bool, model_size: str,
           no_restart: bool, shutdown_timeout: float, nnodes: int, node_rank: int,
           master_addr: str, master_port: int) -> None:
@@ -97,9 +96,9 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
         dtype=None if dtype == "auto" else dtype, device=device,
-        kv_cache_bytes=_size(kv_cache_size),
+        kv_cache_bytes=kv_cache_size,
         prefix_cache_disk="" if no_prefix_cache_disk else prefix_cache_disk,
-        prefix_cache_disk_bytes=_size(prefix_cache_disk_size),
+        prefix_cache_disk_bytes=prefix_cache_disk_size,
         prefix_cache_max_age=prefix_cache_max_age, restart=not no_restart,
         shutdown_timeout=shutdown_timeout,
     )
