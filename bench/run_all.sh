@@ -17,12 +17,20 @@ trap 'rm -rf "$large"' EXIT
 "$phx" model init "$large/m8x512" --layers 8 --hidden 512 >/dev/null
 declare -A args=([worker]="--ranks 2" [rendezvous]="--ranks 2" [domains]="--ranks 2 --cycles 1000"
                  [cache-disk]="--reps 5" [replication]="--peers 2" [engine]=""
-                 [serve]="" [serve-8x512]="--model $large/m8x512" [multihost]="--repeats 3")
-for name in worker rendezvous domains cache-disk replication engine serve serve-8x512 multihost; do
+                 [serve]="" [serve-8x512]="--model $large/m8x512" [llamacpp]=""
+                 [multihost]="--repeats 3")
+for name in worker rendezvous domains cache-disk replication engine serve serve-8x512 llamacpp \
+    multihost; do
   b=${name%-8x512}
   # multihost makes network namespaces: root and iproute2's ip only
   if [[ $b == multihost ]] && { [[ $(id -u) != 0 ]] || ! command -v ip >/dev/null; }; then
     echo "== $b skipped: network namespaces need root and iproute2's ip" >&2
+    continue
+  fi
+  # llamacpp needs llama-server built first (bench/setup_llamacpp.sh, ~10 min)
+  if [[ $b == llamacpp ]] && ! "${phx%phalanx}python" -c \
+      'import sys; from phalanx_bench.llamacpp_build import server_path; sys.exit(not server_path().exists())'; then
+    echo "== $b skipped: llama-server is not built (bench/setup_llamacpp.sh)" >&2
     continue
   fi
   echo "== $name ${args[$name]}" >&2

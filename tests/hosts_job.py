@@ -9,8 +9,10 @@ The rank functions are module-level so every host imports them by name
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -223,6 +225,46 @@ def _incident(w: Any, cache_dir: str, capacity: int, cut_marker: str) -> None:
         _emit(event="close_failed", error=str(exc))
 
 
+def allreduce_us(store_addr: str, store_port: int, prefix: str, rank: int, world: int,
+                 per_node: int, alloc_id: int, name: str, nbytes: int,
+                 iters: int) -> dict[str, float]:
+    """Median µs of one all-reduce of ``nbytes`` float32 over the whole job's gloo group
+    and over the tiered path, measured in turn in this rank (the tiered scenario's rank task)."""
+    import torch
+
+    from phalanx.engine.host_domains import tiered_comm
+    from phalanx.engine.tp import TorchDistComm
+    from phalanx.hosts.dist import destroy, join_group
+
+    group = join_group(store_addr, store_port, prefix, rank, world, 60.0)
+    try:
+        comms = {"gloo": TorchDistComm(group), "tiered": tiered_comm(group, per_node,
+                                                                     alloc_id, name)}
+        t = torch.ones(nbytes // 4)
+        out: dict[str, float] = {}
+        for label, comm in comms.items():
+            step = getattr(comm, "step", None)
+            with step() if step is not None else contextlib.nullcontext():
+                for _ in range(5):
+                    comm.all_reduce(t)
+                    t.fill_(1.0)
+                times = []
+                for _ in range(iters):
+                    start = time.perf_counter()
+                    comm.all_reduce(t)
+                    times.append((time.perf_counter() - start) * 1e6)
+                    if not bool((t == float(world)).all()):
+                        raise RuntimeError(f"rank {rank}: the {label} all-reduce of ones "
+                                           f"over {world} ranks did not give {world}")
+                    t.fill_(1.0)
+            out[label] = statistics.median(times)
+            if hasattr(comm, "close"):
+                comm.close()
+        return out
+    finally:
+        destroy()
+
+
 def _tiered(w: Any, iters: int) -> None:
     """The same-host domains of a job of hosts with several ranks each, and one
     all-reduce's cost over gloo alone and over the tiered path, measured on every rank."""
@@ -234,7 +276,7 @@ def _tiered(w: Any, iters: int) -> None:
     per = w.ranks_per_node
     out: dict[str, Any] = {}
     for nbytes in (4096, 65536):
-        futs = [w.submit(r, "phalanx.engine.host_domains:allreduce_us", addr, port,
+        futs = [w.submit(r, "hosts_job:allreduce_us", addr, port,
                          f"t/tiered{nbytes}", r, len(w.ranks), per, ids[r // per],
                          "t_tiered", nbytes, iters, timeout=300) for r in w.ranks]
         out[str(nbytes)] = [f.result(timeout=330) for f in futs]

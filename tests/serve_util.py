@@ -21,18 +21,6 @@ READY = re.compile(r"ready at (http://\S+)")
 START_DEADLINE_S = 240.0  # a loaded 2-core machine starting ranks and the disk tier
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``condition`` until it returns something truthy; fail naming ``what``."""
-    end = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.05)
-
-
 class Server:
     """``phalanx serve ARGS`` on an ephemeral port; ``stop()`` signals and reaps it."""
 

@@ -21,6 +21,10 @@ import pytest
 
 from netns import namespaces_of_this_run, skip_reason
 
+# a campaign (hosts on network namespaces, faults across ranks, a benchmark's quick
+# run): the full suite runs it, the inner loop (-m 'not slow') does not
+pytestmark = pytest.mark.slow
+
 PHALANX = str(Path(sys.executable).parent / "phalanx")
 RANK_MODULE = "phalanx_bench.multihost_rank"
 SERVE_MODULE = "phalanx.serve.cli._main"

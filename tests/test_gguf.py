@@ -104,6 +104,7 @@ def test_the_gguf_tokenizer_and_chat_template_are_transformers(gguf_path: Path) 
     forget_gguf_files()   # the parsed file holds a descriptor while kept
 
 
+@pytest.mark.slow  # the transformers oracle / a TP-3 server: minutes
 @pytest.mark.parametrize("tp", [1, 3])
 def test_dequantized_greedy_tokens_equal_transformers(gguf_path: Path,
                                                       reference: dict[str, Any],
@@ -113,6 +114,7 @@ def test_dequantized_greedy_tokens_equal_transformers(gguf_path: Path,
         assert list(out.token_ids) == want, q
 
 
+@pytest.mark.slow  # the transformers oracle / a TP-3 server: minutes
 def test_quantized_greedy_tokens_stay_within_the_bound(gguf_path: Path,
                                                        reference: dict[str, Any]) -> None:
     outs = _generate(gguf_path, 1, None, reference["ids"])
@@ -192,6 +194,7 @@ def _ask(s: Server, question: str) -> tuple[str, int]:
     return r.choices[0].message.content or "", int(details.cached_tokens if details else 0)
 
 
+@pytest.mark.slow  # the transformers oracle / a TP-3 server: minutes
 def test_a_chat_over_tp3_answers_and_its_prefix_is_cached(server: Server) -> None:
     first, cached0 = _ask(server, "What is the capital of France?")
     assert "Paris" in first
@@ -202,6 +205,7 @@ def test_a_chat_over_tp3_answers_and_its_prefix_is_cached(server: Server) -> Non
     assert 'phalanx:rank_weight_bytes{rank="2"}' in metrics
 
 
+@pytest.mark.slow  # the transformers oracle / a TP-3 server: minutes
 def test_after_a_restart_the_first_repeat_is_a_disk_hit(gguf_path: Path, disk_dir: Path,
                                                        server: Server) -> None:
     want, _ = _ask(server, "What is the capital of Italy?")

@@ -14,7 +14,13 @@ import sys
 import time
 from typing import Any
 
+import pytest
+
 from netns import Host, hosts, namespaces_of_this_run
+
+# a campaign (hosts on network namespaces, faults across ranks, a benchmark's quick
+# run): the full suite runs it, the inner loop (-m 'not slow') does not
+pytestmark = pytest.mark.slow
 
 PORT = 29400  # each test's namespaces are new: nothing else listens there
 TOKEN = "test-job-token-16"

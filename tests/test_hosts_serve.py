@@ -25,6 +25,10 @@ import pytest
 
 from netns import Host, hosts
 
+# a campaign (hosts on network namespaces, faults across ranks, a benchmark's quick
+# run): the full suite runs it, the inner loop (-m 'not slow') does not
+pytestmark = pytest.mark.slow
+
 PORT = 29420
 HTTP = 8000
 TOKEN = "test-job-token-16s"

@@ -18,8 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from netns import Host, hosts, namespaces_of_this_run
+
+# a campaign (hosts on network namespaces, faults across ranks, a benchmark's quick
+# run): the full suite runs it, the inner loop (-m 'not slow') does not
+pytestmark = pytest.mark.slow
 
 PORT = 29410
 TOKEN = "test-job-token-16w"

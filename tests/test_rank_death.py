@@ -31,19 +31,12 @@ from phalanx.runtime import (
     WorkerPoisonedError,
     rank_services,
 )
+from waits import wait_for
 
 RANKS = 2
 FAIL_BOUND_S = 20.0  # the run must fail within this (the survivors never end)
 HUNG_DEADLINE_S = 6.0  # the busy tasks' deadline: a stopped rank is hung once it passes
 CLOSE_TIMEOUT_S = 10.0
-
-
-def _wait_for(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout}s")
-        time.sleep(0.01)
 
 
 # -- what each rank runs (module level: shipped by reference) --------------------------
@@ -108,7 +101,7 @@ def test_a_lost_rank_fails_the_run_at_once(sig: signal.Signals, kind: str, victi
 
         runner = threading.Thread(target=drive)
         runner.start()
-        _wait_for(lambda: len(list(tmp_path.glob("in-*"))) == RANKS, 60, "every rank busy")
+        wait_for(lambda: len(list(tmp_path.glob("in-*"))) == RANKS, 60, "every rank busy")
         os.kill(pids[victim], sig)
         lost_at = time.monotonic()
         runner.join(FAIL_BOUND_S + (HUNG_DEADLINE_S if sig is signal.SIGSTOP else 0))
@@ -150,7 +143,7 @@ def test_a_survivor_in_a_barrier_notices_a_dead_peer_and_its_task_ends(
                 f.result()
 
         h = w.submit(orch)
-        _wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 2, 60, "both ranks busy")
+        wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 2, 60, "both ranks busy")
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(RankDiedError, match=r"rank 1 .*SIGKILL"):
             h.result(timeout=FAIL_BOUND_S)
@@ -168,7 +161,7 @@ def test_submit_handle_fails_at_once_too(tmp_path: Path) -> None:
     try:
         pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
         h = w.submit(_busy_run("task", str(tmp_path), 2))
-        _wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 3, 60, "every rank busy")
+        wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 3, 60, "every rank busy")
         os.kill(pids[2], signal.SIGKILL)
         with pytest.raises(RankDiedError, match=f"rank 2 \\(pid {pids[2]}\\) was killed by "
                                                 f"SIGKILL"):
@@ -200,7 +193,7 @@ def test_call_ranks_fails_every_part_when_one_rank_dies(tmp_path: Path) -> None:
         caller = threading.Thread(
             target=lambda: out.update(w.call_ranks([0, 1], _pid_then_block, str(tmp_path))))
         caller.start()
-        _wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 2, 60, "both ranks busy")
+        wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 2, 60, "both ranks busy")
         os.kill(pids[1], signal.SIGKILL)
         caller.join(FAIL_BOUND_S)
         assert not caller.is_alive()
@@ -253,7 +246,7 @@ def test_a_run_cannot_start_tasks_once_a_rank_died(tmp_path: Path) -> None:
 
         def orch(o: phalanx.Orchestrator) -> str:
             first = o.submit(1, _block_forever, str(tmp_path))
-            _wait_for(lambda: (tmp_path / "in-1").exists(), 60, "rank 1 busy")
+            wait_for(lambda: (tmp_path / "in-1").exists(), 60, "rank 1 busy")
             os.kill(pids[1], signal.SIGKILL)
             with pytest.raises(RankDiedError, match="rank 1"):
                 first.result(timeout=FAIL_BOUND_S)
@@ -288,7 +281,7 @@ def test_a_stopped_rank_fails_its_call_ranks_call_once_a_deadline_passes(
         caller = threading.Thread(target=lambda: out.update(w.call_ranks(
             [0, 1, 2], _block_unless_rank0, str(tmp_path), timeout=HUNG_DEADLINE_S)))
         caller.start()
-        _wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 3, 60, "every rank busy")
+        wait_for(lambda: len(list(tmp_path.glob("in-*"))) == 3, 60, "every rank busy")
         os.kill(pids[2], signal.SIGSTOP)
         caller.join(FAIL_BOUND_S + HUNG_DEADLINE_S)
         assert not caller.is_alive()
@@ -379,7 +372,7 @@ def test_a_dead_rank_whose_child_holds_its_channel_fails_the_run_at_once(
 
         runner = threading.Thread(target=drive)
         runner.start()
-        _wait_for(lambda: (tmp_path / "child").exists() and
+        wait_for(lambda: (tmp_path / "child").exists() and
                   len(list(tmp_path.glob("in-*"))) == 2, 60, "both ranks busy, child forked")
         child = int((tmp_path / "child").read_text())
         os.kill(pids[1], signal.SIGKILL)
@@ -405,7 +398,7 @@ def test_call_ranks_with_a_rank_already_lost_fails_every_part_at_once(
     try:
         pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
         os.kill(pids[1], signal.SIGKILL)
-        _wait_for(lambda: 1 not in w.alive_ranks(), 20, "rank 1's death noticed")
+        wait_for(lambda: 1 not in w.alive_ranks(), 20, "rank 1's death noticed")
         t0 = time.monotonic()
         out = w.call_ranks([0, 1], _block_forever, str(tmp_path), timeout=30)
         assert time.monotonic() - t0 < 5, "a part waited out its timeout"
@@ -435,7 +428,7 @@ def test_a_large_task_for_a_stopped_rank_fails_by_its_deadline_not_never(
     try:
         pids = w.run(lambda o: [o.submit(r, os.getpid).result() for r in o.ranks])
         os.kill(pids[1], signal.SIGSTOP)
-        _wait_for(lambda: psutil.Process(pids[1]).status() == psutil.STATUS_STOPPED, 20,
+        wait_for(lambda: psutil.Process(pids[1]).status() == psutil.STATUS_STOPPED, 20,
                   "rank 1 stopped")
 
         def drive() -> None:
@@ -503,7 +496,7 @@ def test_without_pidfd_a_survivors_symptom_does_not_hide_the_death(
 
         runner = threading.Thread(target=drive)
         runner.start()
-        _wait_for(lambda: (tmp_path / "child").exists() and
+        wait_for(lambda: (tmp_path / "child").exists() and
                   len(list(tmp_path.glob("in-*"))) == 2, 60, "both ranks busy, child forked")
         child = int((tmp_path / "child").read_text())
         os.kill(pids[1], signal.SIGKILL)

@@ -31,6 +31,7 @@ from phalanx.rendezvous import (
     sweep,
 )
 from phalanx.rendezvous.generation import OWNER_FILE
+from waits import ranks_under, wait_for
 
 BACKENDS = ["hub", "marker", "store"]
 
@@ -219,6 +220,7 @@ def _race(ranks: list[int]) -> dict[int, str]:
     return outcomes
 
 
+@pytest.mark.slow  # a campaign
 def test_store_handshakes_racing_their_deadlines_agree_and_leave_no_key(tmp_path: Path) -> None:
     """Ranks 0 and 1 give up after 20 ms while rank 2 arrives 0-40 ms late, 80 times:
     timeouts race the last arrival, and aborts race later arrivals. Whatever the timing,
@@ -261,7 +263,8 @@ def test_sigkilled_worker_generation_is_reclaimed_by_the_next(backend: str,
     finally:
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
-    time.sleep(0.1)
+    # its ranks follow it (parent-death signal): the sweep is asked once they are gone
+    wait_for(lambda: not ranks_under(tmp_path), 30, "the killed parent's ranks to exit")
     with phalanx.Worker(ranks=1, runtime_dir=tmp_path) as w:
         report = w.sweep_report
         assert report is not None and report.generations_removed == [token]

@@ -13,10 +13,15 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from click.testing import CliRunner
 
 from phalanx.serve.cli._main import cli
 from replication_util import assert_identical
+
+# a campaign (hosts on network namespaces, faults across ranks, a benchmark's quick
+# run): the full suite runs it, the inner loop (-m 'not slow') does not
+pytestmark = pytest.mark.slow
 
 
 def test_synth_then_maintain_compacts_every_rank(tmp_path: Path) -> None:

@@ -25,6 +25,10 @@ from phalanx.replication import LinkClosedError, LinkStalledError, ReplicatedCac
 from phalanx.runtime import RankDiedError, Worker
 from replication_util import RANKS, copy_dirs, open_cache, rank_pid, synth
 
+# a campaign (hosts on network namespaces, faults across ranks, a benchmark's quick
+# run): the full suite runs it, the inner loop (-m 'not slow') does not
+pytestmark = pytest.mark.slow
+
 JOB_TIMEOUT = 2.0
 CLOSE_TIMEOUT = 3.0
 WORKER_CLOSE = 5.0

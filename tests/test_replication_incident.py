@@ -13,6 +13,10 @@ import pytest
 from phalanx.runtime import Worker
 from replication_util import RANKS, assert_identical, copy_dirs, dir_bytes, open_cache, synth
 
+# a campaign (hosts on network namespaces, faults across ranks, a benchmark's quick
+# run): the full suite runs it, the inner loop (-m 'not slow') does not
+pytestmark = pytest.mark.slow
+
 _TEMPLATES: dict[tuple[int, str], Path] = {}
 
 

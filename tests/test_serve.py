@@ -17,7 +17,8 @@ import httpx
 import openai
 import pytest
 
-from serve_util import Server, model_env, pages_prompt, wait_for
+from serve_util import Server, model_env, pages_prompt
+from waits import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from replication_util import assert_identical, copy_dirs, dir_bytes
-from serve_util import Server, model_env, wait_for
+from serve_util import Server, model_env
+from waits import wait_for
 
 TP = 3
 RECORDS = 2000

@@ -31,7 +31,7 @@ from phalanx.lifecycle import failpoints
 from phalanx.serve.driver import EngineDriver
 from phalanx.serve.server import ServerConfig, _starter
 from phalanx.serve.supervisor import Supervisor
-from serve_util import wait_for
+from waits import wait_for
 
 WAIT_S = 120.0
 

@@ -21,6 +21,7 @@ from phalanx.runtime.run import Orchestrator, Run, RunHandle
 from phalanx.runtime.tasks import TaskFuture
 
 
+@pytest.mark.slow  # a campaign
 def test_fifty_workers_in_a_row_leave_nothing() -> None:
     with phalanx.Worker(ranks=2) as w:  # warm imports and lazily created singletons
         w.run(lambda o: None)

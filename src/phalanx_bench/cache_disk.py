@@ -48,7 +48,7 @@ from phalanx.kvstore import (
     StoreOptions,
     aligned_empty,
 )
-from phalanx.serve.cli.params import INT_LIST
+from phalanx.serve.cli import INT_LIST
 
 from ._stats import emit, median
 

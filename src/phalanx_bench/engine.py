@@ -66,7 +66,7 @@ import click
 
 from phalanx import Orchestrator, Worker
 from phalanx.engine import LLM, SamplingParams, default_model_dir
-from phalanx.serve.cli.params import SHAPE
+from phalanx.serve.cli import SHAPE
 
 from ._errors import BenchError
 from ._stats import emit, median

@@ -45,7 +45,7 @@ from typing import Any
 
 import click
 
-from phalanx.serve.cli.params import BYTE_SIZE
+from phalanx.serve.cli import BYTE_SIZE
 
 from ._errors import BenchError
 from ._stats import emit, median

@@ -45,7 +45,7 @@ from typing import Any
 
 import click
 
-from phalanx.serve.cli.params import INT_LIST
+from phalanx.serve.cli import INT_LIST
 
 from ._stats import emit
 from .multihost_launch import NODES, Ctx, NotBuilt, launch

@@ -12,16 +12,12 @@ view by the domain's id (:func:`phalanx.comm.view_of`), a typed value that cross
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import statistics
 import threading
-import time
 from typing import Any
 
-__all__ = ["allreduce_us", "open_host_domain", "release_host_domain", "tiered_comm"]
+from .ranks import TP_WINDOW
 
-TP_WINDOW = 4 << 20  # per-rank staging window, as a same-host TP domain's
-
+__all__ = ["TP_WINDOW", "open_host_domain", "release_host_domain", "tiered_comm"]
 
 # -- host level (in the agent; ``local`` is its LocalRanks) -------------------------------
 
@@ -74,44 +70,4 @@ def tiered_comm(world_group: Any, per_node: int, alloc_id: int, name: str) -> An
               for i in range(per_node)]
     return HostTieredComm(DomainComm(view_of(alloc_id, name)),
                           TorchDistComm(groups[world.rank % per_node]), world)
-
-
-def allreduce_us(store_addr: str, store_port: int, prefix: str, rank: int, world: int,
-                 per_node: int, alloc_id: int, name: str, nbytes: int,
-                 iters: int) -> dict[str, float]:
-    """Median µs of one all-reduce of ``nbytes`` float32 over the whole job's gloo group
-    and over the tiered path, measured in turn in this rank (a benchmark's rank task)."""
-    import torch
-
-    from phalanx.hosts.dist import destroy, join_group
-
-    from .tp import TorchDistComm
-
-    group = join_group(store_addr, store_port, prefix, rank, world, 60.0)
-    try:
-        comms = {"gloo": TorchDistComm(group), "tiered": tiered_comm(group, per_node,
-                                                                     alloc_id, name)}
-        t = torch.ones(nbytes // 4)
-        out: dict[str, float] = {}
-        for label, comm in comms.items():
-            step = getattr(comm, "step", None)
-            with step() if step is not None else contextlib.nullcontext():
-                for _ in range(5):
-                    comm.all_reduce(t)
-                    t.fill_(1.0)
-                times = []
-                for _ in range(iters):
-                    start = time.perf_counter()
-                    comm.all_reduce(t)
-                    times.append((time.perf_counter() - start) * 1e6)
-                    if not bool((t == float(world)).all()):
-                        raise RuntimeError(f"rank {rank}: the {label} all-reduce of ones "
-                                           f"over {world} ranks did not give {world}")
-                    t.fill_(1.0)
-            out[label] = statistics.median(times)
-            if hasattr(comm, "close"):
-                comm.close()
-        return out
-    finally:
-        destroy()
 

@@ -77,11 +77,10 @@ class PageSave(msgspec.Struct, frozen=True):
 
 
 class StepPlan(msgspec.Struct, frozen=True):
-    """Everything every rank does at one step, in order: copies, loads, forward, saves."""
+    """Everything every rank does at one step, in order: loads, forward, saves."""
 
     step: int
     chunks: list[SeqChunk]
-    copies: list[tuple[int, int]] = []   # (src page, dst page) copy-on-write
     loads: list[PageLoad] = []
     saves: list[PageSave] = []
 

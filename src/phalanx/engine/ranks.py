@@ -30,7 +30,7 @@ __all__ = ["RankGroup", "TPRanks"]
 log = logging.getLogger("phalanx.engine")
 T = TypeVar("T")
 
-_TP_WINDOW = 4 << 20          # per-rank staging window of the TP domain
+TP_WINDOW = 4 << 20  # per-rank staging window of a TP domain (one host's, or a host's part)
 
 
 # -- the rank side (module-level: tasks are shipped by reference) -------------------------
@@ -279,7 +279,7 @@ class RankGroup:
         try:
             if self.devices.comm == "shm":
                 domain = o.allocate_domain(f"{self.runner_id}_tp", ranks=list(o.ranks),
-                                           window_size=_TP_WINDOW)
+                                           window_size=TP_WINDOW)
             futs = [o.submit(r, _rank_open, self.runner_id, model_dir, domain,
                              {**kwargs, "device": self.devices.devices[r]}, seed, staging,
                              self._dist_args(r)) for r in o.ranks]

@@ -228,16 +228,12 @@ class Runner:
         return step() if step is not None else contextlib.nullcontext()
 
     def _prepare(self, plan: StepPlan) -> dict[int, str]:
-        """The plan's copies and disk loads; {} when every rank loaded every page, else
-        each failed rank's reason (the same on every rank: see _agree)."""
+        """The plan's disk loads; {} when every rank loaded every page, else each failed
+        rank's reason (the same on every rank: see _agree)."""
         if self.closed:
             raise EngineError(f"rank {self.comm.rank}: the runner was closed")
-        if plan.copies or plan.loads:
+        if plan.loads:
             self.decode_gather.drop()   # they write pages the kept gathers may hold
-        for src, dst in plan.copies:
-            self._check_pages([src, dst])
-            for layer in self.kv:
-                layer[dst] = layer[src]
         if not plan.loads:
             return {}  # the same on every rank: no agreement, no collective
         if self.tier is None:

@@ -225,8 +225,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def get(self, seq_id: int) -> Sequence | None:
-        return self._by_id.get(seq_id)
 
     # -- one step ---------------------------------------------------------------------
 
