@@ -11,6 +11,7 @@ other way (a traceback, exit 1): the issue-34 defect was ``phalanx cache maintai
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import click
@@ -29,6 +30,7 @@ TEXT_BAD = {"--kv-cache-size": "12Q", "--prefix-cache-disk-size": "lots",
             "--large": "8by512", "--rows": "one,two", "--allreduce-bytes": "4k,x"}
 
 
+@functools.cache
 def _commands() -> list[tuple[list[str], click.Command]]:
     ctx = click.Context(cli)
     out: list[tuple[list[str], click.Command]] = []

@@ -483,11 +483,15 @@ def _engine_points(points: list[str], tmp: Path) -> Problems:
         assert tier is not None and tier.drain(60)
         llm.reset_prefix_cache()
         failpoints.arm(point, "raise*1")
-        outs = _attempt(lambda: p.extend(
-            "the faulted lookup changed the output" for o in llm.generate(prompt, sp)
-            if o.outputs[0].token_ids != ref.outputs[0].token_ids or o.cached_tokens_disk))
-        failpoints.disarm_all()
-        p += [f"the faulted lookup failed the request: {e!r}" for e in outs]
+        try:
+            (out,) = llm.generate(prompt, sp)
+        except Exception as exc:  # noqa: BLE001  inspected: the point must not fail it
+            p.append(f"the faulted lookup failed the request: {exc!r}")
+        else:
+            if out.outputs[0].token_ids != ref.outputs[0].token_ids or out.cached_tokens_disk:
+                p.append("the faulted lookup changed the output or counted a disk hit")
+        finally:
+            failpoints.disarm_all()
         if tier.stats.load_failures != 1:
             p.append(f"{tier.stats.load_failures} lookup failures counted, not 1")
         llm.reset_prefix_cache()

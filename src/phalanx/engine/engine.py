@@ -372,7 +372,7 @@ class Engine:
             # earlier admissions of this schedule may have keyed pages whose disk loads
             # now never run: a later prefix hit would read pages without their KV, so
             # the engine is poisoned rather than left half-keyed (issue 34)
-            return self._die(exc, "while scheduling")
+            return self._die(exc, "while scheduling", who="the scheduler")
         outs = [self._finish(self._by_seq[s.seq_id], FinishReason.ABORT) for s in aborted]
         if plan is None:
             if self.scheduler.has_work and not outs:
@@ -398,11 +398,11 @@ class Engine:
             outs.append(self._advance(s))
         return outs
 
-    def _die(self, exc: BaseException, when: str) -> list[RequestOutput]:
-        rank = getattr(exc, "rank", None)
-        who = f"rank {rank}" if rank is not None else "a rank"
-        if when == "while scheduling":
-            who = "the scheduler"
+    def _die(self, exc: BaseException, when: str, who: str | None = None
+             ) -> list[RequestOutput]:
+        if who is None:
+            rank = getattr(exc, "rank", None)
+            who = f"rank {rank}" if rank is not None else "a rank"
         dead = EngineDeadError(f"engine: {who} failed {when}: {type(exc).__name__}: {exc}")
         dead.__cause__ = exc
         self._dead = dead

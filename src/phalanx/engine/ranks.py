@@ -260,7 +260,6 @@ class RankGroup:
                                               staging)
             self.memory = self._opened.result(timeout=start_timeout)
         except BaseException:
-            self._stop_taking(EngineDeadError("the engine's ranks failed to start"))
             self._jobs.put(None)
             self.worker.close()
             self._store = None
@@ -312,10 +311,9 @@ class RankGroup:
             self.dead = self.dead or exc
             if not self._opened.done():
                 self._opened.set_exception(exc)
-            self._stop_taking(exc)
             raise
-        finally:
-            self._stop_taking(EngineDeadError("the engine's ranks were closed"))
+        finally:  # what is queued fails now, and what comes later at once
+            self._stop_taking(self.dead or EngineDeadError("the engine's ranks were closed"))
             if opened:
                 self._close_runners(o)
             if domain is not None:
@@ -342,8 +340,7 @@ class RankGroup:
         """From now on a submission fails with ``exc`` (the first reason given stays);
         what is queued fails with it now."""
         with self._jobs_lock:
-            if self._refusing is None:
-                self._refusing = exc
+            self._refuse(exc)
             while True:
                 try:
                     job = self._jobs.get_nowait()
@@ -351,6 +348,12 @@ class RankGroup:
                     return
                 if job is not None:
                     job[1].set_exception(self._refusing)
+
+    def _refuse(self, exc: BaseException) -> None:
+        """Under ``_jobs_lock``: later submissions fail with ``exc`` (the first reason
+        given stays)."""
+        if self._refusing is None:
+            self._refusing = exc
 
     def execute(self, plan: bytes, disk: Any = None) -> bytes:
         """Run one encoded plan on every rank (``disk``: its disk loads); rank 0's
@@ -386,8 +389,7 @@ class RankGroup:
 
     def close(self, timeout: float = 60.0) -> None:
         with self._jobs_lock:  # what is queued runs first; nothing is queued after
-            if self._refusing is None:
-                self._refusing = EngineDeadError("the engine's ranks were closed")
+            self._refuse(EngineDeadError("the engine's ranks were closed"))
             self._jobs.put(None)
         try:
             self._handle.wait(timeout)
