@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from phalanx.engine.plan import PageLoad, SamplingSpec, SeqChunk, StepPlan
-from phalanx.engine.runner import Runner
-from phalanx.engine.sampling import SamplingParams
+from phalanx.engine.core.plan import PageLoad, SamplingSpec, SeqChunk, StepPlan
+from phalanx.engine.core.sampling import SamplingParams
+from phalanx.engine.worker.runner import Runner
 
 _SCALE = 5.0
 PROMPT = [(7 * i + 3) % 251 + 3 for i in range(37)]   # 37 tokens: 3 pages of 16, ragged

@@ -200,7 +200,7 @@ def _incident(w: Any, cache_dir: str, capacity: int, cut_marker: str) -> None:
     synthesized chain) needs maintenance at start-up; the burst must complete and leave
     every host's directory identical. With ``cut_marker``: the test cuts a host off once
     the cache is open (it answers by creating the marker), then the burst runs."""
-    from phalanx.engine.host_disk import HostsDiskCache
+    from phalanx.engine.multihost.disk import HostsDiskCache
     from replication_util import FP, GEOM
 
     cache = HostsDiskCache.open(w, cache_dir, geometry=GEOM, fingerprint=FP,
@@ -232,8 +232,8 @@ def allreduce_us(store_addr: str, store_port: int, prefix: str, rank: int, world
     and over the tiered path, measured in turn in this rank (the tiered scenario's rank task)."""
     import torch
 
-    from phalanx.engine.host_domains import tiered_comm
-    from phalanx.engine.tp import TorchDistComm
+    from phalanx.engine.multihost.domains import tiered_comm
+    from phalanx.engine.worker.tp import TorchDistComm
     from phalanx.hosts.dist import destroy, join_group
 
     group = join_group(store_addr, store_port, prefix, rank, world, 60.0)
@@ -268,7 +268,7 @@ def allreduce_us(store_addr: str, store_port: int, prefix: str, rank: int, world
 def _tiered(w: Any, iters: int) -> None:
     """The same-host domains of a job of hosts with several ranks each, and one
     all-reduce's cost over gloo alone and over the tiered path, measured on every rank."""
-    from phalanx.engine.host_domains import TP_WINDOW, open_host_domain, release_host_domain
+    from phalanx.engine.multihost.domains import TP_WINDOW, open_host_domain, release_host_domain
 
     nodes = len(w.nodes)
     ids = [w.call_host(n, open_host_domain, "t_tiered", TP_WINDOW, 60.0) for n in range(nodes)]

@@ -14,14 +14,14 @@ import torch
 from click.testing import CliRunner
 
 from engine_oracle import engine_generate
-from phalanx.engine.default_model import (
+from phalanx.engine.model.default_model import (
     DEFAULT_SPEC,
     ModelSpec,
     default_model_dir,
     ensure_default_model,
 )
-from phalanx.engine.runner import Runner
-from phalanx.engine.tokenizer import Tokenizer
+from phalanx.engine.model.tokenizer import Tokenizer
+from phalanx.engine.worker.runner import Runner
 from phalanx.serve.cli import cli
 
 # sha256 of every file of the default model. A change here changes every cached
@@ -149,7 +149,7 @@ def test_half_precision_logits_are_bounded(tmp_path: Path, dtype: str) -> None:
     points, so logits agree within a bound (10% of the largest logit), not bit for bit."""
     import transformers
 
-    from phalanx.engine.default_model import write_model
+    from phalanx.engine.model.default_model import write_model
 
     path = write_model(tmp_path / dtype, ModelSpec(layers=2, hidden=64, heads=4,
                                                     kv_heads=2, intermediate=128,

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from engine_oracle import PROMPT, greedy, hf_reference, write_checkpoint
-from phalanx.engine.devices import DevicePlan, plan_devices, resolve_devices
 from phalanx.engine.llm import LLM
+from phalanx.engine.worker.devices import DevicePlan, plan_devices, resolve_devices
 from phalanx.errors import EngineError
 
 PT = 16

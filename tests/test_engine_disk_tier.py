@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 
 from engine_oracle import greedy, write_checkpoint
+from phalanx.engine.core.plan import StepPlan, StepResult
+from phalanx.engine.core.scheduler import Scheduler, SchedulerConfig
+from phalanx.engine.core.sequence import Seq, SeqStatus
 from phalanx.engine.llm import LLM
-from phalanx.engine.plan import StepPlan, StepResult
-from phalanx.engine.scheduler import InMemoryTier, Scheduler, SchedulerConfig
-from phalanx.engine.sequence import SeqStatus, Sequence
 from phalanx.kvstore.keys import page_keys
 from test_engine_scheduler import FP, FakeRanks, drain, reference
+from tiers import InMemoryTier
 
 PT = 16
 
@@ -52,13 +53,13 @@ def test_a_failed_load_is_undone_and_recomputed_by_the_scheduler() -> None:
     tier = InMemoryTier(keys)
     sched = Scheduler(SchedulerConfig(num_pages=16, page_tokens=4), FP, tier)
     ranks = FailingLoads(sched, disk)
-    decoding = Sequence(list(range(200, 206)), greedy(6), seq_id=9)
+    decoding = Seq(list(range(200, 206)), greedy(6), seq_id=9)
     sched.add(decoding)
     first, _ = sched.schedule()
     assert first is not None and sched.update(ranks.execute(first))
     # a loads the prefix, b shares it as a memory hit in the same step
-    a = Sequence([*prompt[:12], 1], greedy(2), seq_id=1)
-    b = Sequence([*prompt[:12], 2], greedy(2), seq_id=2)
+    a = Seq([*prompt[:12], 1], greedy(2), seq_id=1)
+    b = Seq([*prompt[:12], 2], greedy(2), seq_id=2)
     sched.add(a)
     sched.add(b)
     plan, _ = sched.schedule()

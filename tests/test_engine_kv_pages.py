@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from phalanx.engine._errors import SchedulerError
-from phalanx.engine.kv_pages import PagePool
+from phalanx.engine.core.kv_pages import PagePool
 from phalanx.kvstore.keys import fingerprint_digest, page_keys
 
 FP = fingerprint_digest("test-model")

@@ -19,8 +19,8 @@ import torch
 
 from engine_oracle import PROMPT, greedy, hf_reference, write_checkpoint
 from phalanx.engine._errors import EngineDeadError, RequestError
+from phalanx.engine.core.sampling import SamplingParams
 from phalanx.engine.llm import LLM
-from phalanx.engine.sampling import SamplingParams
 
 PT = 16
 
@@ -260,7 +260,7 @@ def test_a_killed_rank_fails_every_request_and_poisons(model_dir: Path) -> None:
 
 def test_ranks_run_with_one_malloc_arena(llm: LLM) -> None:
     # steps run on whichever serving thread read them; an arena per thread made every
-    # step fault its temporaries in afresh (phalanx.engine.ranks.rank_env)
+    # step fault its temporaries in afresh (phalanx.engine.worker.local.rank_env)
     outcomes = llm.engine.group.worker.call_ranks([0, 1], os.getenv, "MALLOC_ARENA_MAX")
     assert {r: o.value for r, o in outcomes.items()} == {0: "1", 1: "1"}
 

@@ -15,10 +15,10 @@ import torch
 
 from engine_oracle import ATOL, PAGE_TOKENS, PROMPT, engine_generate, hf_reference, write_checkpoint
 from phalanx.engine._errors import CheckpointError, ModelConfigError
-from phalanx.engine.checkpoint import Checkpoint, weights_digest
-from phalanx.engine.config import ModelConfig, load_config
-from phalanx.engine.plan import SamplingSpec, SeqChunk, StepPlan
-from phalanx.engine.runner import Runner
+from phalanx.engine.core.plan import SamplingSpec, SeqChunk, StepPlan
+from phalanx.engine.model.checkpoint import Checkpoint, weights_digest
+from phalanx.engine.model.config import ModelConfig, load_config
+from phalanx.engine.worker.runner import Runner
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-untied-gqa": ("llama", {}),
@@ -189,7 +189,7 @@ def test_missing_tensor_is_named(checkpoints: dict[str, Path], tmp_path: Path) -
 def test_rotary_tables_grow_on_demand(checkpoints: dict[str, Path]) -> None:
     """A long-context config tables only the positions used; grown rows equal the rows a
     full table would hold (llama3 scaling included)."""
-    from phalanx.engine.layers import Rotary, rope_inv_freq
+    from phalanx.engine.model.layers import Rotary, rope_inv_freq
 
     raw = _raw(checkpoints["llama-tied-mha-llama3"]) | {"max_position_embeddings": 100_000}
     cfg = ModelConfig.from_dict(raw)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from phalanx.engine._errors import SamplingParamsError
-from phalanx.engine.plan import SamplingSpec
-from phalanx.engine.sampling import SamplingParams, StopChecker, sample
+from phalanx.engine.core.plan import SamplingSpec
+from phalanx.engine.core.sampling import SamplingParams, StopChecker
+from phalanx.engine.worker.sampler import sample
 
 
 @pytest.mark.parametrize(

@@ -9,16 +9,17 @@ therefore changes the output, which is compared with the single-request referenc
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 
 import pytest
 
 from phalanx.engine._errors import RequestError, SchedulerError
-from phalanx.engine.plan import StepPlan, StepResult
-from phalanx.engine.sampling import SamplingParams
-from phalanx.engine.scheduler import InMemoryTier, Scheduler, SchedulerConfig
-from phalanx.engine.sequence import FinishReason, SeqStatus, Sequence
+from phalanx.engine.core.plan import StepPlan, StepResult
+from phalanx.engine.core.sampling import SamplingParams
+from phalanx.engine.core.scheduler import Scheduler, SchedulerConfig
+from phalanx.engine.core.sequence import FinishReason, Seq, SeqStatus
 from phalanx.kvstore.keys import fingerprint_digest, page_keys
+from tiers import InMemoryTier
 
 FP = fingerprint_digest("fake-model")
 VOCAB = 997
@@ -117,7 +118,7 @@ def make(
 
 def test_exact_pages_of_one_request() -> None:
     sched, ranks = make(num_pages=8)
-    seq = Sequence(list(range(1, 11)), greedy(4), seq_id=1)
+    seq = Seq(list(range(1, 11)), greedy(4), seq_id=1)
     sched.add(seq)
     p1 = step(sched, ranks)
     assert p1 is not None and p1.step == 1
@@ -144,10 +145,10 @@ def test_exact_pages_of_one_request() -> None:
 def test_shared_prefix_is_a_memory_hit_with_ref_counts() -> None:
     sched, ranks = make(num_pages=16)
     prefix = list(range(100, 108))                           # two full pages
-    a = Sequence([*prefix, 1, 2, 3], greedy(6), seq_id=1)
+    a = Seq([*prefix, 1, 2, 3], greedy(6), seq_id=1)
     sched.add(a)
     step(sched, ranks)
-    b = Sequence([*prefix, 9], greedy(3), seq_id=2)
+    b = Seq([*prefix, 9], greedy(3), seq_id=2)
     sched.add(b)
     plan = step(sched, ranks)
     assert plan is not None
@@ -165,9 +166,9 @@ def test_shared_prefix_is_a_memory_hit_with_ref_counts() -> None:
 def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     sched, ranks = make(num_pages=8)
     prompt = list(range(8))
-    sched.add(Sequence(prompt, greedy(1), seq_id=1))
+    sched.add(Seq(prompt, greedy(1), seq_id=1))
     drain(sched, ranks)
-    b = Sequence(prompt, greedy(2), seq_id=2)
+    b = Seq(prompt, greedy(2), seq_id=2)
     sched.add(b)
     plan = step(sched, ranks)
     assert plan is not None
@@ -180,11 +181,11 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
 
 def test_lru_eviction_order() -> None:
     sched, ranks = make(num_pages=4)
-    old = Sequence([*list(range(8)), 50], greedy(1), seq_id=1)       # keys pages 0, 1
+    old = Seq([*list(range(8)), 50], greedy(1), seq_id=1)       # keys pages 0, 1
     sched.add(old)
     drain(sched, ranks)
     assert sched.pool.free_order() == [2, 3, 1, 0]
-    new = Sequence(list(range(200, 212)), greedy(1), seq_id=2)       # needs 3 fresh pages
+    new = Seq(list(range(200, 212)), greedy(1), seq_id=2)       # needs 3 fresh pages
     sched.add(new)
     plan = step(sched, ranks)
     assert plan is not None
@@ -195,13 +196,13 @@ def test_lru_eviction_order() -> None:
 
 def test_chunked_prefill_never_stalls_decodes() -> None:
     sched, ranks = make(num_pages=64, max_num_batched_tokens=8, max_num_seqs=8)
-    decoders = [Sequence([i, i + 1, i + 2], greedy(20), seq_id=i) for i in range(3)]
+    decoders = [Seq([i, i + 1, i + 2], greedy(20), seq_id=i) for i in range(3)]
     for d in decoders:
         sched.add(d)
     step(sched, ranks)                                       # 9 tokens > 8: two steps
     step(sched, ranks)
     assert [d.num_output for d in decoders] == [2, 2, 1]
-    long = Sequence(list(range(500, 530)), greedy(2), seq_id=10)
+    long = Seq(list(range(500, 530)), greedy(2), seq_id=10)
     sched.add(long)
     seen_chunks = 0
     while not long.output_tokens:
@@ -224,8 +225,8 @@ def test_chunked_prefill_never_stalls_decodes() -> None:
 def test_preemption_recomputes_the_newest_and_corrupts_nobody() -> None:
     # 6 pages of 4 tokens; two requests that grow to 16 tokens each need 8 pages
     sched, ranks = make(num_pages=6)
-    a = Sequence(list(range(1, 7)), greedy(10), seq_id=1)
-    b = Sequence(list(range(40, 46)), greedy(10), seq_id=2)
+    a = Seq(list(range(1, 7)), greedy(10), seq_id=1)
+    b = Seq(list(range(40, 46)), greedy(10), seq_id=2)
     sched.add(a)
     sched.add(b)
     statuses: list[tuple[SeqStatus, SeqStatus]] = []
@@ -246,8 +247,8 @@ def test_preemption_recomputes_the_newest_and_corrupts_nobody() -> None:
 
 def test_waiting_requests_wait_for_pages() -> None:
     sched, ranks = make(num_pages=4)
-    a = Sequence(list(range(12)), greedy(3), seq_id=1)   # 3 pages, 4 at the end
-    b = Sequence(list(range(60, 72)), greedy(1), seq_id=2)
+    a = Seq(list(range(12)), greedy(3), seq_id=1)   # 3 pages, 4 at the end
+    b = Seq(list(range(60, 72)), greedy(1), seq_id=2)
     sched.add(a)
     sched.add(b)
     step(sched, ranks)
@@ -260,8 +261,8 @@ def test_waiting_requests_wait_for_pages() -> None:
 
 def test_cancellation_frees_pages_at_the_next_step() -> None:
     sched, ranks = make(num_pages=8)
-    a = Sequence(list(range(10)), greedy(20), seq_id=1)
-    w = Sequence(list(range(30, 40)), greedy(5), seq_id=2)
+    a = Seq(list(range(10)), greedy(20), seq_id=1)
+    w = Seq(list(range(30, 40)), greedy(5), seq_id=2)
     sched.add(a)
     step(sched, ranks)
     sched.add(w)
@@ -282,7 +283,7 @@ def test_sixteen_requests_join_while_others_decode() -> None:
             prompts.append([1000 + i] * (5 + i))         # distinct
         else:
             prompts.append(system + list(range(i, i + 2 + (i * 7) % 11)))
-    seqs = [Sequence(p, greedy(6 + i % 5), seq_id=i) for i, p in enumerate(prompts)]
+    seqs = [Seq(p, greedy(6 + i % 5), seq_id=i) for i, p in enumerate(prompts)]
     joined = 0
     joined_during_decode = 0
     for _ in range(1000):
@@ -307,7 +308,7 @@ def test_disk_tier_loads_past_memory_and_saves_new_pages() -> None:
     sched = Scheduler(cfg, FP, tier)
     ranks = FakeRanks(sched, disk)
     prompt = list(range(7, 20))                          # 3 full pages + 1
-    a = Sequence(prompt, greedy(3), seq_id=1)
+    a = Seq(prompt, greedy(3), seq_id=1)
     sched.add(a)
     plan = step(sched, ranks)
     assert plan is not None and len(plan.saves) == 1
@@ -318,7 +319,7 @@ def test_disk_tier_loads_past_memory_and_saves_new_pages() -> None:
     # a restart: a new pool (nothing in memory), the same disk tier
     sched2 = Scheduler(cfg, FP, tier)
     ranks2 = FakeRanks(sched2, disk)
-    b = Sequence([*prompt[:12], 77, 78], greedy(4), seq_id=2)
+    b = Seq([*prompt[:12], 77, 78], greedy(4), seq_id=2)
     sched2.add(b)
     plan2 = step(sched2, ranks2)
     assert plan2 is not None
@@ -331,7 +332,7 @@ def test_disk_tier_loads_past_memory_and_saves_new_pages() -> None:
     assert b.output_tokens == reference(b.prompt_tokens, 4)
     assert sched2.pool.counters.prompt_disk == 12
     # memory first, then disk: a third request hits memory for what b loaded
-    c = Sequence([*prompt[:12], 5], greedy(1), seq_id=3)
+    c = Seq([*prompt[:12], 5], greedy(1), seq_id=3)
     sched2.add(c)
     plan3 = step(sched2, ranks2)
     assert plan3 is not None and plan3.loads == [] and c.cached_memory == 12
@@ -341,7 +342,7 @@ def test_a_tier_refusing_stores_costs_only_a_miss() -> None:
     tier = InMemoryTier(accept=False)
     sched = Scheduler(SchedulerConfig(num_pages=16, page_tokens=4), FP, tier)
     ranks = FakeRanks(sched)
-    a = Sequence(list(range(9)), greedy(3), seq_id=1)
+    a = Seq(list(range(9)), greedy(3), seq_id=1)
     sched.add(a)
     drain(sched, ranks)
     assert all(p.saves == [] for p in ranks.plans) and tier.asked
@@ -351,21 +352,21 @@ def test_a_tier_refusing_stores_costs_only_a_miss() -> None:
 def test_requests_that_cannot_fit_are_refused() -> None:
     sched, _ = make(num_pages=4, max_model_len=64)
     with pytest.raises(RequestError, match="need 5 KV pages, the pool has 4"):
-        sched.add(Sequence(list(range(10)), greedy(10), seq_id=1))
+        sched.add(Seq(list(range(10)), greedy(10), seq_id=1))
     with pytest.raises(RequestError, match="max_model_len=64"):
-        sched.add(Sequence(list(range(64)), greedy(1), seq_id=2))
+        sched.add(Seq(list(range(64)), greedy(1), seq_id=2))
     with pytest.raises(RequestError, match="empty"):
-        sched.add(Sequence([], greedy(1), seq_id=3))
-    sched.add(Sequence([1], greedy(1), seq_id=4))
+        sched.add(Seq([], greedy(1), seq_id=3))
+    sched.add(Seq([1], greedy(1), seq_id=4))
     with pytest.raises(RequestError, match="already scheduled"):
-        sched.add(Sequence([1], greedy(1), seq_id=4))
+        sched.add(Seq([1], greedy(1), seq_id=4))
     with pytest.raises(SchedulerError, match="max_num_seqs"):
         SchedulerConfig(num_pages=4, max_num_seqs=8, max_num_batched_tokens=4)
 
 
 def test_results_must_match_the_step_in_flight() -> None:
     sched, _ranks = make()
-    sched.add(Sequence([1, 2, 3], greedy(2), seq_id=1))
+    sched.add(Seq([1, 2, 3], greedy(2), seq_id=1))
     plan, _ = sched.schedule()
     assert plan is not None
     with pytest.raises(SchedulerError, match="still in flight"):
@@ -381,7 +382,7 @@ def test_prefix_caching_off_computes_every_prompt() -> None:
     ranks = FakeRanks(sched)
     prompt = list(range(9))
     for i in range(2):
-        s = Sequence(prompt, greedy(2), seq_id=i)
+        s = Seq(prompt, greedy(2), seq_id=i)
         sched.add(s)
         drain(sched, ranks)
         assert s.cached_tokens == 0 and s.output_tokens == reference(prompt, 2)
@@ -396,8 +397,8 @@ def test_two_requests_loading_one_prefix_in_a_step_share_it() -> None:
     tier = InMemoryTier(keys)
     sched = Scheduler(SchedulerConfig(num_pages=16, page_tokens=4), FP, tier)
     ranks = FakeRanks(sched, disk)
-    a = Sequence([*prompt[:12], 1], greedy(2), seq_id=1)
-    b = Sequence([*prompt[:12], 2], greedy(2), seq_id=2)
+    a = Seq([*prompt[:12], 1], greedy(2), seq_id=1)
+    b = Seq([*prompt[:12], 2], greedy(2), seq_id=2)
     sched.add(a)
     sched.add(b)
     plan = step(sched, ranks)
@@ -412,11 +413,11 @@ def test_two_requests_loading_one_prefix_in_a_step_share_it() -> None:
 class CountingTier(InMemoryTier):
     """An in-memory tier that records every lookup's start page."""
 
-    def __init__(self, keys: Seq[bytes]) -> None:
+    def __init__(self, keys: Sequence[bytes]) -> None:
         super().__init__(keys)
         self.lookups: list[int] = []
 
-    def lookup(self, keys: Seq[bytes], start: int) -> int:
+    def lookup(self, keys: Sequence[bytes], start: int) -> int:
         self.lookups.append(start)
         return super().lookup(keys, start)
 
@@ -427,11 +428,11 @@ def test_a_blocked_queue_head_does_not_ask_the_disk_tier() -> None:
     tier = CountingTier(keys)
     sched = Scheduler(SchedulerConfig(num_pages=6, page_tokens=4), FP, tier)
     ranks = FakeRanks(sched, {k: prompt[i * 4 : (i + 1) * 4] for i, k in enumerate(keys)})
-    hog = Sequence(list(range(200, 216)), greedy(8), seq_id=1)   # 4 pages, up to 6
+    hog = Seq(list(range(200, 216)), greedy(8), seq_id=1)   # 4 pages, up to 6
     sched.add(hog)
     step(sched, ranks)
     tier.lookups.clear()                                          # the hog's own lookup
-    late = Sequence(prompt, greedy(2), seq_id=2)                  # needs 4 pages
+    late = Seq(prompt, greedy(2), seq_id=2)                  # needs 4 pages
     sched.add(late)
     for _ in range(3):
         step(sched, ranks)

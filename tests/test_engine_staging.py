@@ -1,7 +1,7 @@
 """A rank's page staging: the slab's slots, what a store reads, what is dropped.
 
 The staging is the hand-over between a runner's steps and the disk tier's stores on one
-rank (``phalanx.engine.staging``); here it is driven the way those two drive it, in one
+rank (``phalanx.engine.disk.staging``); here it is driven the way those two drive it, in one
 process: ``save`` as a step's ``PageSave``, ``row`` as a store.
 """
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from phalanx.engine.staging import PageStaging
+from phalanx.engine.disk.staging import PageStaging
 from phalanx.errors import EngineError
 from phalanx.kvstore import Geometry
 

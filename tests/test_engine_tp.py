@@ -24,9 +24,9 @@ from engine_oracle import (
     hf_reference,
     write_checkpoint,
 )
-from phalanx.engine.config import load_config
-from phalanx.engine.model import CausalLM
-from phalanx.engine.runner import Runner
+from phalanx.engine.model.config import load_config
+from phalanx.engine.model.transformer import CausalLM
+from phalanx.engine.worker.runner import Runner
 
 CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     # name: (arch, tp, config overrides)
@@ -59,7 +59,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory
 
 
 def _rank_generate(d: Any, path: Path, vocab_parallel: bool) -> dict[str, Any]:
-    from phalanx.engine.tp import DomainComm
+    from phalanx.engine.worker.tp import DomainComm
 
     runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS,
                     vocab_parallel=vocab_parallel)
@@ -126,7 +126,7 @@ def test_vocab_parallel_tp2(worker: phalanx.Worker, checkpoints: dict[str, Any])
 def _rank_gloo(store_path: str, rank: int, size: int, path: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from phalanx.engine.tp import TorchDistComm
+    from phalanx.engine.worker.tp import TorchDistComm
 
     store = dist.FileStore(store_path, size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
@@ -158,7 +158,7 @@ def test_oracle_tp2_over_gloo(worker: phalanx.Worker, checkpoints: dict[str, Any
 
 
 def _rank_collectives(d: Any) -> dict[str, Any]:
-    from phalanx.engine.tp import DomainComm
+    from phalanx.engine.worker.tp import DomainComm
 
     comm = DomainComm(d)
     big = torch.full((100_000,), float(comm.rank + 1))        # more than one round
@@ -191,8 +191,8 @@ _FINGERPRINT = b"engine-tp-test-model"
 
 
 def _rank_stage_prompt(d: Any, path: Path, keys: list[bytes]) -> Any:
-    from phalanx.engine.plan import PageSave, SamplingSpec, SeqChunk, StepPlan
-    from phalanx.engine.tp import DomainComm
+    from phalanx.engine.core.plan import PageSave, SamplingSpec, SeqChunk, StepPlan
+    from phalanx.engine.worker.tp import DomainComm
 
     runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS, disk_tier=True)
     plan = StepPlan(0, [SeqChunk(1, PROMPT, 0, [0, 1, 2], False, SamplingSpec())],
@@ -204,8 +204,8 @@ def _rank_stage_prompt(d: Any, path: Path, keys: list[bytes]) -> Any:
 
 
 def _rank_generate_cached(d: Any, path: Path, keys: list[bytes]) -> dict[str, Any]:
-    from phalanx.engine.plan import PageLoad
-    from phalanx.engine.tp import DomainComm
+    from phalanx.engine.core.plan import PageLoad
+    from phalanx.engine.worker.tp import DomainComm
 
     runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS, disk_tier=True)
     cached = len(keys) * PAGE_TOKENS
@@ -227,7 +227,7 @@ def test_disk_tier_after_restart_equals_recomputed(
     """Every rank stages its shard of a prompt's full pages, the replicated cache stores
     them, the cache and the stagings are closed (a restart), the cache is recovered and
     loads them into other pages: the continuation equals the recomputed one."""
-    from phalanx.engine.staging import staging_source
+    from phalanx.engine.disk.staging import staging_source
     from phalanx.kvstore.keys import fingerprint_digest, page_keys
     from phalanx.replication import ReplicatedCache
 
@@ -275,8 +275,8 @@ def test_disk_tier_after_restart_equals_recomputed(
 
 
 def _rank_open_runner(d: Any, path: Path) -> None:
-    from phalanx.engine.runner import open_runner
-    from phalanx.engine.tp import DomainComm
+    from phalanx.engine.worker.runner import open_runner
+    from phalanx.engine.worker.tp import DomainComm
 
     runner = open_runner("outlives", path, DomainComm(d), num_pages=4,
                          page_tokens=PAGE_TOKENS)
@@ -285,7 +285,7 @@ def _rank_open_runner(d: Any, path: Path) -> None:
 
 def _rank_use_runner() -> str:
     from phalanx.engine._errors import EngineError
-    from phalanx.engine.runner import close_runner, get_runner
+    from phalanx.engine.worker.runner import close_runner, get_runner
 
     runner = get_runner("outlives")
     try:

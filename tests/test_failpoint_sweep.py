@@ -470,7 +470,7 @@ def _engine_points(points: list[str], tmp: Path) -> Problems:
     """The disk tier's lookup faults with phalanx's own error: that prompt is a miss
     (computed, the same tokens), the engine lives, the next repeat is a disk hit."""
     from phalanx.engine import LLM, SamplingParams
-    from phalanx.engine.default_model import default_model_dir
+    from phalanx.engine.model.default_model import default_model_dir
 
     (point,) = points
     prompt = {"prompt_token_ids": [(7 * i + 3) % 200 + 3 for i in range(3 * 16 + 1)]}
@@ -506,7 +506,7 @@ def _serve_points(points: list[str], tmp: Path) -> Problems:
     import asyncio
 
     from phalanx.engine import SamplingParams
-    from phalanx.engine.default_model import default_model_dir
+    from phalanx.engine.model.default_model import default_model_dir
     from phalanx.serve.server import ServerConfig, _starter
 
     (point,) = points

@@ -85,8 +85,8 @@ def _generate(path: Path, tp: int, dtype: str | None, ids: list[list[int]]) -> l
 def test_the_gguf_tokenizer_and_chat_template_are_transformers(gguf_path: Path) -> None:
     import transformers
 
-    from phalanx.engine.gguf_file import forget_gguf_files
-    from phalanx.engine.tokenizer import Tokenizer
+    from phalanx.engine.model.gguf_file import forget_gguf_files
+    from phalanx.engine.model.tokenizer import Tokenizer
 
     ours = Tokenizer(gguf_path)
     theirs = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),

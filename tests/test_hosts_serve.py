@@ -40,7 +40,7 @@ PROMPT = "alpha bravo charlie delta echo foxtrot golf hotel " * 20  # whole 64-t
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """12 heads, 12 KV heads: split by TP 3 (3 x 1) and by TP 4 (2 x 2)."""
-    from phalanx.engine.default_model import ModelSpec, write_model
+    from phalanx.engine.model.default_model import ModelSpec, write_model
 
     target = tmp_path_factory.mktemp("hosts-model") / "m"
     return write_model(target, ModelSpec(name="hosts-test", layers=2, hidden=192, heads=12,
@@ -146,7 +146,7 @@ def _greedy(model: Path, ids: list[int], n: int) -> str:
     import torch
     import transformers
 
-    from phalanx.engine.tokenizer import Tokenizer
+    from phalanx.engine.model.tokenizer import Tokenizer
 
     transformers.utils.logging.disable_progress_bar()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model),

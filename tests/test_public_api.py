@@ -80,7 +80,7 @@ PUBLIC: dict[str, list[str]] = {
     ],
     "phalanx.engine": [
         "CompletionOutput", "DomainComm", "Engine", "EngineConfig", "HostsDiskCache",
-        "InMemoryTier", "LLM",
+        "LLM",
         "Logprob", "PageLoad", "PageSave", "PrefixTier", "RequestOutput", "SamplingParams",
         "SamplingSpec", "Scheduler", "SchedulerConfig", "SeqChunk", "StepPlan", "StepResult",
         "TokenLogprobs", "Tokenizer", "TorchDistComm", "default_model_dir", "rank_env",

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from phalanx.engine import SamplingParams
-from phalanx.engine.default_model import default_model_dir
+from phalanx.engine.model.default_model import default_model_dir
 from phalanx.errors import EngineDeadError
 from phalanx.lifecycle import failpoints
 from phalanx.serve.driver import EngineDriver

@@ -190,7 +190,7 @@ SHARED_MEMORY_REASON = (
     "not measured here: phalanx serve --nnodes keeps shared memory for a host's own ranks "
     "(HostTieredComm: they reduce over a domain of that host, only host sums cross over "
     "gloo), so decode_tokens_per_s's 2x2 runs on it, but its all-reduce alone is reached "
-    "only through phalanx.engine.host_domains, no package's __all__, and the benchmarks "
+    "only through phalanx.engine.multihost.domains, no package's __all__, and the benchmarks "
     "use only phalanx's public API; the 2x2 figure here is flat gloo over all 4 ranks "
     "(docs/design.md measured the tiered path: 4 KiB 1.2-1.5 ms vs 3.0-3.5 ms gloo)")
 

@@ -5,29 +5,37 @@ Importing this package does not import torch: the modules that need it (the mode
 runner, sampling's ``sample``) import it when they run.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from .default_model import default_model_dir
+from .core.outputs import CompletionOutput, Logprob, RequestOutput
+from .core.plan import (
+    PageLoad,
+    PageSave,
+    SamplingSpec,
+    SeqChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+from .core.sampling import SamplingParams
+from .core.scheduler import PrefixTier, Scheduler, SchedulerConfig
 from .engine import Engine, EngineConfig
-from .host_disk import HostsDiskCache
 from .llm import LLM
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .plan import PageLoad, PageSave, SamplingSpec, SeqChunk, StepPlan, StepResult, TokenLogprobs
-from .ranks import rank_env
-from .sampling import SamplingParams
-from .scheduler import InMemoryTier, PrefixTier, Scheduler, SchedulerConfig
-from .tokenizer import Tokenizer
+from .model.default_model import default_model_dir
+from .model.tokenizer import Tokenizer
+from .multihost.disk import HostsDiskCache
+from .worker.local import rank_env
 
 if TYPE_CHECKING:
-    from .tp import DomainComm, TorchDistComm
+    from .worker.tp import DomainComm, TorchDistComm
 
 # the TP communicators import torch: loaded on first use, so this package still does not
-_LAZY = {"DomainComm": ".tp", "TorchDistComm": ".tp"}
+_LAZY = {"DomainComm": ".worker.tp", "TorchDistComm": ".worker.tp"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
 
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
@@ -41,7 +49,6 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "HostsDiskCache",
-    "InMemoryTier",
     "Logprob",
     "PageLoad",
     "PageSave",

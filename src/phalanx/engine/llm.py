@@ -6,7 +6,7 @@
 
 A prompt is a string (tokenized with the model's tokenizer) or
 ``{"prompt_token_ids": [...]}``. :meth:`LLM.generate` returns one
-:class:`~phalanx.engine.outputs.RequestOutput` per prompt, in order;
+:class:`~phalanx.engine.core.outputs.RequestOutput` per prompt, in order;
 :meth:`LLM.generate_stream` yields each request's cumulative output after every step
 that advanced it (the form a server streams from). One LLM runs one generate at a time.
 
@@ -24,12 +24,14 @@ from types import TracebackType
 from typing import Any
 
 from ._errors import RequestError
-from .default_model import default_model_dir
+from .core.outputs import RequestOutput
+from .core.sampling import SamplingParams
+from .core.scheduler import PrefixTier
 from .engine import Engine, EngineConfig, TokenizerLike
-from .outputs import RequestOutput
-from .sampling import SamplingParams
-from .scheduler import PrefixTier
-from .tokenizer import Tokenizer
+from .model.config import load_config
+from .model.default_model import default_model_dir
+from .model.gguf_file import forget_gguf_files, is_gguf
+from .model.tokenizer import Tokenizer
 
 __all__ = ["LLM", "PromptType"]
 
@@ -39,7 +41,6 @@ PromptType = str | Mapping[str, Any]
 def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
     """The model's tokenizer: a GGUF file carries one; a directory may lack it (then only
     token-id prompts are served)."""
-    from .gguf_file import is_gguf
 
     if not is_gguf(model_dir) and not (model_dir / "tokenizer.json").exists():
         return None
@@ -86,7 +87,6 @@ class LLM:
             prefix_cache_disk_bytes=prefix_cache_disk_bytes,
             device=device, tp_comm=tp_comm,
         )
-        from .config import load_config
 
         mcfg = load_config(model_dir, max_model_len=max_model_len, dtype=dtype)
         eos = list(mcfg.eos_token_ids)
@@ -206,7 +206,6 @@ class LLM:
 
     def close(self) -> None:
         """Stop the ranks and release everything (idempotent)."""
-        from .gguf_file import forget_gguf_files
 
         self.engine.close()
         forget_gguf_files()   # a GGUF file's parse, kept for this start, holds its map

@@ -7,8 +7,9 @@ queue; each step's outputs go to the request's asyncio queue with
 ``call_soon_threadsafe``. A client that goes away closes its stream, which queues an
 abort: its pages are freed at the next step. A metrics scrape does not read the engine
 either: it asks, and the engine thread takes ``engine.stats()`` at its next step
-boundary (the ranks' gauges, which do not touch the scheduler, come from one run of
-the Worker on the scrape's thread: ``serve/gauges.py``).
+boundary (the ranks' gauges, which do not touch the scheduler, come from
+``Engine.gauges()`` on the scrape's thread). The driver reaches the engine through
+its public methods only: requests, ``step``, ``stats``, ``gauges``, ``lost_ranks``.
 A step that gave a request its first token lets the HTTP layer write it out (at most
 ``_FLUSH_WAIT_S``) before the next step takes the cores: time to first token.
 
@@ -32,13 +33,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.engine import Engine, RequestOutput, SamplingParams
-from phalanx.engine.tokenizer import Tokenizer
+from phalanx.engine.model.tokenizer import Tokenizer
 from phalanx.errors import EngineDeadError
 from phalanx.lifecycle.failpoints import Failpoint
 
 from .api.engine_client import Delta, Health
 from .api.errors import APIError
-from .gauges import worker_gauges
 
 __all__ = ["EngineDriver"]
 
@@ -54,6 +54,25 @@ _FLUSH_WAIT_S = 0.005
 
 # a request passed admission's first checks; its stream is about to be registered
 _ADMIT = Failpoint("serve.driver.admit")
+
+
+@dataclass(frozen=True)
+class _Add:
+    """Admit a request into the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    """Cancel a request: its pages are freed at the next step."""
+
+    request_id: str
+
+
+_Command = _Add | _Abort
 
 
 @dataclass
@@ -81,7 +100,7 @@ class EngineDriver:
         self.max_pending = max_pending
         self._watch_interval = watch_interval
         self._on_death = on_death
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         # Invariant: a request id is in _streams from its submission until its final
         # delta (or an error) was handed to its queue.
@@ -99,8 +118,6 @@ class EngineDriver:
         self._stats_asked = 0
         self._stats_taken = 0
         self._stats_snapshot: dict[str, Any] = {}
-        self._cache_id: str | None = (engine.disk_cache.cache_id
-                                      if engine.disk_cache is not None else None)
         self._gauges_lock = threading.Lock()
         self._gauges: dict[str, Any] = {}
         self._gauges_at = -_DISK_STATS_S
@@ -144,7 +161,7 @@ class EngineDriver:
             now = time.monotonic()
             if now - self._gauges_at > _DISK_STATS_S:
                 try:
-                    self._gauges = worker_gauges(self.engine.group.worker, self._cache_id)
+                    self._gauges = self.engine.gauges().as_metrics()
                 except Exception as exc:  # noqa: BLE001  a scrape must not fail while the engine dies
                     log.warning("metrics: the ranks' gauges are unavailable: %s", exc)
                     self._gauges = {}
@@ -168,7 +185,7 @@ class EngineDriver:
             if self._thread.is_alive():  # a step longer than the wait: the last figures
                 return dict(self._stats_snapshot)
         try:  # the engine thread is gone: nothing else touches the engine any more
-            return dict(self.engine.stats())
+            return self.engine.stats().as_metrics()
         except Exception as exc:  # noqa: BLE001  a scrape must not fail while the engine dies
             return {"error": str(exc)}
 
@@ -179,7 +196,7 @@ class EngineDriver:
             if asked == self._stats_taken:
                 return
         try:
-            snapshot = dict(self.engine.stats())
+            snapshot = self.engine.stats().as_metrics()
         except Exception as exc:  # noqa: BLE001  a scrape must not fail while the engine dies
             snapshot = {"error": str(exc)}
         with self._stats_cv:
@@ -206,7 +223,7 @@ class EngineDriver:
             self._streams[request_id] = stream
         finished = False
         try:
-            self._send("add", (request_id, prompt_token_ids, params))
+            self._send(_Add(request_id, prompt_token_ids, params))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -224,7 +241,7 @@ class EngineDriver:
             with self._lock:
                 self._slots.discard(request_id)
             if not finished:  # the client went away (or the server stops): free its KV
-                self._send("abort", request_id)
+                self._send(_Abort(request_id))
 
     def _flushed(self, stream: _Stream, closed: bool = False) -> None:
         with self._flush_cv:
@@ -236,8 +253,8 @@ class EngineDriver:
 
     # -- the engine thread ------------------------------------------------------------
 
-    def _send(self, kind: str, payload: Any) -> None:
-        self._commands.put((kind, payload))
+    def _send(self, command: _Command) -> None:
+        self._commands.put(command)
         self._wake.set()
 
     def _deliver(self, request_id: str, item: Delta | BaseException, final: bool) -> None:
@@ -251,13 +268,13 @@ class EngineDriver:
     def _apply_commands(self) -> None:
         while True:
             try:
-                kind, payload = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                rid, ids, params = payload
+            if isinstance(command, _Add):
+                rid = command.request_id
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.add_request(rid, command.prompt_token_ids, command.params)
                 except Exception as exc:  # noqa: BLE001  this request's error, not the engine's
                     self._deliver(rid, exc, final=True)
                     continue
@@ -265,10 +282,12 @@ class EngineDriver:
                     stream = self._streams.get(rid)
                 if stream is not None:
                     stream.admitted = time.monotonic()
-            elif kind == "abort":
-                self.engine.abort(payload)
+            elif isinstance(command, _Abort):
+                self.engine.abort(command.request_id)
                 with self._lock:
-                    self._streams.pop(payload, None)
+                    self._streams.pop(command.request_id, None)
+            else:  # a command this loop does not know is a bug, not something to drop
+                raise TypeError(f"engine driver: unknown command {command!r}")
 
     def _loop(self) -> None:
         try:

@@ -66,7 +66,7 @@ class ServerConfig:
 def _model_dir(cfg: ServerConfig) -> Path:
     if cfg.model is not None:
         return Path(cfg.model)
-    from phalanx.engine.default_model import default_model_dir
+    from phalanx.engine.model.default_model import default_model_dir
 
     return Path(default_model_dir())
 
@@ -83,7 +83,7 @@ def _starter(cfg: ServerConfig, model_dir: Path, name: str, hosts: Any = None
              ) -> Callable[[Callable[[BaseException], None]], EngineDriver]:
     def start(on_death: Callable[[BaseException], None]) -> EngineDriver:
         from phalanx.engine import Engine, EngineConfig
-        from phalanx.engine.tokenizer import Tokenizer
+        from phalanx.engine.model.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(model_dir)
         engine = Engine(EngineConfig(

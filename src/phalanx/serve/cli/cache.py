@@ -85,7 +85,7 @@ def _identity(model: str | None, tp: int, page_tokens: int | None,
         return _geometry(pt), fingerprint or "phalanx-synth", pt
     if fingerprint is not None:
         raise click.UsageError("--fingerprint is derived from --model; give one of them")
-    from phalanx.engine.identity import cache_identity
+    from phalanx.engine.disk.identity import cache_identity
 
     pt = page_tokens or 64
     geometry, fp = cache_identity(model, tp, pt)

@@ -41,7 +41,7 @@ def init(directory: str, layers: int, hidden: int, heads: int, kv_heads: int,
          intermediate: int | None, vocab: int, arch: str, dtype: str, seed: int,
          max_position: int, tie: bool, name: str) -> None:
     """Write a deterministic model (same flags, same bytes) into DIRECTORY (new)."""
-    from phalanx.engine.default_model import ModelSpec, write_model
+    from phalanx.engine.model.default_model import ModelSpec, write_model
     from phalanx.errors import ModelConfigError
 
     if intermediate is None:

@@ -20,7 +20,7 @@ MODEL_SIZES = {
 
 
 def _embedded(size: str) -> str:
-    from phalanx.engine.default_model import ModelSpec, default_model_dir
+    from phalanx.engine.model.default_model import ModelSpec, default_model_dir
 
     return str(default_model_dir(spec=ModelSpec(**MODEL_SIZES[size])))  # type: ignore[arg-type]
 
@@ -114,9 +114,9 @@ def _check_model(model: str, tp: int, dtype: str | None, max_model_len: int | No
     """Refuse a model that cannot be served, in one line naming the file and why, before
     any rank starts: its config or GGUF metadata, a TP size it cannot be split by (the
     sizes that work named), a missing tokenizer or weights, a truncated file."""
-    from phalanx.engine.checkpoint import open_checkpoint
-    from phalanx.engine.config import load_config
-    from phalanx.engine.tokenizer import Tokenizer
+    from phalanx.engine.model.checkpoint import open_checkpoint
+    from phalanx.engine.model.config import load_config
+    from phalanx.engine.model.tokenizer import Tokenizer
     from phalanx.errors import EngineError
 
     try:
@@ -135,7 +135,7 @@ def _check_model(model: str, tp: int, dtype: str | None, max_model_len: int | No
 def _check_device(device: str, tp: int, nnodes: int) -> None:
     """Refuse a device the ranks cannot run on before anything starts (the engine would
     refuse it too, under a traceback)."""
-    from phalanx.engine.devices import resolve_devices
+    from phalanx.engine.worker.devices import resolve_devices
     from phalanx.errors import EngineError
 
     if nnodes > 1 and device != "cpu":

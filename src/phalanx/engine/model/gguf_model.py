@@ -1,0 +1,260 @@
+"""A GGUF file as the decoder sees it: a Hugging Face config and checkpoint names.
+
+llama.cpp's converter renames every tensor (``model.layers.3.mlp.up_proj`` becomes
+``blk.3.ffn_up``), moves the config into ``{arch}.*`` metadata keys and, for the Llama
+architecture, permutes the rows of each Q and K head so that its rotary pairs sit side
+by side (GGUF rotates interleaved pairs; Hugging Face rotates halves). This module maps
+all three back, so the same decoder serves a safetensors directory and a GGUF file and
+the two give the same tokens:
+
+- :func:`gguf_config` builds the ``config.json`` dict from the metadata;
+- :class:`GGUFCheckpoint` reads tensors by their Hugging Face names, one rank's slice at
+  a time (rows of quantized tensors are whole blocks: a row slice costs no decode), with
+  the Q/K rows un-permuted per head, dequantized with the ``gguf`` package, or handed
+  over still quantized (:meth:`GGUFCheckpoint.read_quantized`) for engine/quant.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from .._errors import CheckpointError, ModelConfigError
+from .gguf_file import KEPT_QUANTIZED, GGUFFile, GGUFTensor, open_gguf
+from .quant import QuantTensor
+from .weights import LoadReport
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = ["ARCHS", "GGUFCheckpoint", "gguf_config"]
+
+# general.architecture -> the Hugging Face class (Mistral's converter writes "llama").
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "mistral": "MistralForCausalLM"}
+# Architectures whose converter permuted Q/K rows per head (LlamaModel.permute).
+_PERMUTED = ("llama", "mistral")
+
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# GGUF tensors the decoder does not read as weights (the config reads rope_freqs).
+_NOT_WEIGHTS = ("rope_freqs.weight",)
+
+
+def _hf_names(f: GGUFFile) -> dict[str, str]:
+    """Hugging Face name -> GGUF name of every tensor the decoder may read."""
+    back = {"token_embd.weight": "model.embed_tokens.weight",
+            "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    inv = {v: k for k, v in _LAYER.items()}
+    out: dict[str, str] = {}
+    for name in f.tensors:
+        hf = back.get(name)
+        m = _GGUF_LAYER.match(name)
+        if m and m.group(2) in inv:
+            hf = f"model.layers.{m.group(1)}.{inv[m.group(2)]}.{m.group(3)}"
+        if hf is not None:
+            out[hf] = name
+    return out
+
+
+def gguf_config(f: GGUFFile, dtype: str | None) -> dict[str, Any]:
+    """The ``config.json`` of the model in ``f``; ``dtype`` None keeps Q4_0/Q4_1/Q8_0 weights
+    quantized (activations in bfloat16), a dtype dequantizes every weight to it."""
+    arch = f.need("general.architecture")
+    if arch not in ARCHS:
+        raise ModelConfigError(f"{f.path}: general.architecture={arch!r} is not served by "
+                               f"this engine (it runs {', '.join(sorted(ARCHS))})")
+    heads = int(f.need(f"{arch}.attention.head_count"))
+    hidden = int(f.need(f"{arch}.embedding_length"))
+    tokens = f.get("tokenizer.ggml.tokens")
+    vocab = f.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        embd = f.tensors.get("token_embd.weight")
+        vocab = embd.shape[0] if embd is not None else None
+    raw: dict[str, Any] = {
+        "architectures": [ARCHS[arch]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": f.need(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": f.need(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": f.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": f.get(f"{arch}.attention.key_length") or hidden // heads,
+        "rms_norm_eps": f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": f.get(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": f.get(f"{arch}.context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in f.tensors,
+        "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": [int(i) for i in (f.get("tokenizer.ggml.eos_token_id"),
+                                          f.get("tokenizer.ggml.eot_token_id"),
+                                          f.get("tokenizer.ggml.eom_token_id"))
+                         if isinstance(i, int)],
+    }
+    window = f.get(f"{arch}.attention.sliding_window")
+    if window:
+        raw["sliding_window"] = window
+    scaling = f.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ModelConfigError(f"{f.path}: {arch}.rope.scaling.type={scaling!r} is not "
+                                   f"supported (linear and llama3 frequency factors are)")
+        raw["rope_scaling"] = {"rope_type": "linear",
+                               "factor": f.get(f"{arch}.rope.scaling.factor", 1.0)}
+    kept = any(t.qtype in KEPT_QUANTIZED for t in f.tensors.values())
+    if dtype is None:
+        dtype = "bfloat16" if kept else _float_dtype(f)
+        raw["quantization"] = "gguf" if kept else "none"
+    else:
+        raw["quantization"] = "none"
+    raw["dtype"] = dtype
+    return raw
+
+
+def rope_freq_factors(f: GGUFFile) -> tuple[float, ...] | None:
+    """Llama 3.x's long-context rope: the converter stores one divisor per frequency as
+    the tensor ``rope_freqs.weight`` instead of config fields."""
+    t = f.tensors.get("rope_freqs.weight")
+    if t is None:
+        return None
+    return tuple(float(v) for v in t.data.astype("float32").reshape(-1))
+
+
+def _float_dtype(f: GGUFFile) -> str:
+    types = {t.qtype for t in f.tensors.values() if len(t.shape) == 2}
+    return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(
+        frozenset(types), "float32")
+
+
+class GGUFCheckpoint:
+    """The tensors of one GGUF file under their Hugging Face names, read by slices (the
+    same surface as :class:`~phalanx.engine.model.checkpoint.Checkpoint`)."""
+
+    def __init__(self, path: str | Path, file: GGUFFile | None = None) -> None:
+        self.file = file or open_gguf(path)
+        self.dir = self.file.path
+        arch = self.file.get("general.architecture")
+        self._permuted = arch in _PERMUTED
+        self._heads = int(self.file.get(f"{arch}.attention.head_count", 1))
+        self._kv_heads = int(self.file.get(f"{arch}.attention.head_count_kv", self._heads))
+        self._where = _hf_names(self.file)
+        self._read: set[str] = set()
+        self._missing: list[str] = []
+        self.report_ = LoadReport()
+
+    def __enter__(self) -> GGUFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing to close: the reader's memory map goes with the last reference."""
+
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.file.tensors[self._where[name]].shape)
+
+    def skip(self, name: str) -> None:
+        if name in self._where:
+            self._read.add(name)
+
+    def report(self) -> LoadReport:
+        self.report_.missing = sorted(set(self._missing))
+        self.report_.unexpected = sorted(
+            [n for n in self._where if n not in self._read]
+            + [n for n in self.file.tensors if _gguf_name_unmapped(n, self._where)])
+        return self.report_
+
+    # -- reads -------------------------------------------------------------------------
+    def _tensor(self, name: str) -> GGUFTensor | None:
+        where = self._where.get(name)
+        if where is None:
+            self._missing.append(name)
+            return None
+        self._read.add(name)
+        return self.file.tensors[where]
+
+    def _rows(self, name: str, t: GGUFTensor, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of ``t`` in Hugging Face order (Q/K heads un-permuted)."""
+
+        if not (self._permuted and len(t.shape) == 2 and
+                name.endswith(("q_proj.weight", "k_proj.weight"))):
+            return np.asarray(t.data[start:stop])
+        heads = self._heads if name.endswith("q_proj.weight") else self._kv_heads
+        d = t.shape[0] // heads
+        r = np.arange(start, stop)
+        head, within = r // d, r % d
+        half, i = within // (d // 2), within % (d // 2)
+        return np.asarray(t.data[head * d + i * 2 + half])
+
+    def _check(self, name: str, t: GGUFTensor, dim: int, start: int, stop: int) -> None:
+        if not 0 <= start < stop <= t.shape[dim]:
+            raise CheckpointError(f"{self.dir}: {name} ({t.name}) has shape {list(t.shape)}; "
+                                  f"slice [{start}, {stop}) of dim {dim} is out of range")
+
+    def read(self, name: str, dim: int | None = None, start: int = 0,
+             stop: int | None = None) -> torch.Tensor | None:
+        """Tensor ``name`` (or ``[start, stop)`` of ``dim``) dequantized to float32; None
+        (recorded as missing) when the file lacks it."""
+        import torch
+
+        t = self._tensor(name)
+        if t is None:
+            return None
+        d = 0 if dim is None else dim
+        end = t.shape[d] if stop is None or dim is None else stop
+        begin = 0 if dim is None else start
+        self._check(name, t, d, begin, end)
+        rows = self._rows(name, t, begin, end) if d == 0 else self._rows(name, t, 0, t.shape[0])
+        self.report_.tensors += 1
+        self.report_.bytes_read += rows.nbytes
+        values = dequantize(rows, GGMLQuantizationType[t.qtype]) if t.quantized else rows
+        # a copy: the rows may be a view of the read-only memory map
+        out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
+            (end - begin, *t.shape[1:]) if d == 0 else (t.shape[0], t.shape[1]))
+        return out if d == 0 else out[:, begin:end].contiguous()
+
+    def read_quantized(self, name: str, dim: int, start: int, stop: int) -> QuantTensor | None:
+        """This rank's slice of ``name`` still in its GGUF blocks, when its type is kept
+        quantized and the slice falls on block bounds; None otherwise (read it dense)."""
+        where = self._where.get(name)
+        if where is None:
+            return None
+        t = self.file.tensors[where]
+        if t.qtype not in KEPT_QUANTIZED or len(t.shape) != 2:
+            return None
+        block = QuantTensor.BLOCK
+        if dim == 1 and (start % block or stop % block):
+            return None
+        self._check(name, t, dim, start, stop)
+        self._read.add(name)
+        if dim == 0:
+            rows = self._rows(name, t, start, stop)
+            cols = t.shape[1]
+        else:
+            per = QuantTensor.block_bytes(t.qtype)
+            rows = self._rows(name, t, 0, t.shape[0])[:, start // block * per:
+                                                         stop // block * per]
+            cols = stop - start
+        self.report_.tensors += 1
+        self.report_.bytes_read += rows.nbytes
+        return QuantTensor(t.qtype, rows, cols)
+
+
+def _gguf_name_unmapped(name: str, where: dict[str, str]) -> bool:
+    return name not in _NOT_WEIGHTS and name not in where.values()

@@ -1,0 +1,320 @@
+"""The decoder's building blocks, with tensor-parallel sharding declared on each weight.
+
+A parallel linear layer owns its slice of the full weight: ``shard_dim`` (0: output
+rows, column-parallel; 1: input columns, row-parallel) and, per packed part, the range
+of the full tensor it holds. Its ``load`` reads exactly that range from the checkpoint
+(``Checkpoint.read`` with a slice), so sharding is decided where the weight lives, not
+by the loader. Packed layers (q/k/v, gate/up) hold several checkpoint tensors side by
+side so one matmul computes them all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .._errors import CheckpointError
+from .config import ModelConfig
+from .quant import Int4Matmul, QuantRows, QuantTensor, compatible
+
+if TYPE_CHECKING:
+    from .parallel import TPComm
+    from .weights import WeightSource as Checkpoint
+
+__all__ = ["LMHead", "ParallelLinear", "Part", "RMSNorm", "Rotary", "VocabEmbedding",
+           "rope_inv_freq"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkpoint tensor (``name`` + ``.weight``/``.bias``) held by a packed layer:
+    rows (or columns) ``[start, stop)`` of its sharded dim."""
+
+    name: str
+    start: int
+    stop: int
+    total: int   # the checkpoint tensor's full size along the sharded dim (checked)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+class ParallelLinear(torch.nn.Module):
+    """``y = x W^T (+ b)`` over this rank's shard of W.
+
+    ``shard_dim`` 0 (column-parallel): this rank computes some output features, no
+    communication. ``shard_dim`` 1 (row-parallel): this rank holds some input features
+    and the partial products are summed over ranks by ``comm.all_reduce`` (the bias is
+    added once, after the sum).
+    """
+
+    def __init__(self, in_features: int, parts: list[Part], shard_dim: int, bias: bool,
+                 dtype: torch.dtype, comm: TPComm | None = None,
+                 quantized: bool = False) -> None:
+        super().__init__()
+        self.parts = parts
+        # quantized: the checkpoint's Q4_0/Q4_1/Q8_0 blocks are kept (engine/quant.py)
+        # where every part has them; else the weight is read dense
+        self.quantized = quantized
+        self.qmm: Int4Matmul | None = None
+        self.shard_dim = shard_dim
+        self.comm = comm
+        local = sum(p.size for p in parts)
+        shape = (local, in_features) if shard_dim == 0 else (in_features, local)
+        self.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        self.weight.shard_dim = shard_dim  # type: ignore[attr-defined]
+        # Row-parallel layers hold full output features: their bias is not sharded.
+        bias_size = local if shard_dim == 0 else in_features
+        self.bias = (torch.nn.Parameter(torch.empty(bias_size, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def load(self, ckpt: Checkpoint) -> None:
+        """Read this rank's slice of every part from the checkpoint."""
+        in_features = self.weight.shape[1 - self.shard_dim]
+        for part in self.parts:
+            _check_shape(ckpt, f"{part.name}.weight",
+                         [part.total, in_features] if self.shard_dim == 0
+                         else [in_features, part.total])
+        if not (self.quantized and self._load_quantized(ckpt)):
+            offset = 0
+            for part in self.parts:
+                w = ckpt.read(f"{part.name}.weight", self.shard_dim, part.start, part.stop)
+                dst = self.weight.data.narrow(self.shard_dim, offset, part.size)
+                _copy(dst, w, f"{part.name}.weight")
+                offset += part.size
+        offset = 0
+        for part in self.parts:
+            if self.bias is not None:
+                if self.shard_dim == 0:
+                    b = ckpt.read(f"{part.name}.bias", 0, part.start, part.stop)
+                    _copy(self.bias.data.narrow(0, offset, part.size), b, f"{part.name}.bias")
+                else:
+                    _copy(self.bias.data, ckpt.read(f"{part.name}.bias"), f"{part.name}.bias")
+            offset += part.size
+
+    def _load_quantized(self, ckpt: Checkpoint) -> bool:
+        """Keep this rank's slices in their blocks when all parts have kept types of one
+        kind (Q4_0/Q4_1, or Q8_0); False leaves the weight to be read dense."""
+        blocks: list[QuantTensor] = []
+        for part in self.parts:
+            qt = ckpt.read_quantized(f"{part.name}.weight", self.shard_dim, part.start,
+                                     part.stop)
+            if qt is None:
+                return False
+            blocks.append(qt)
+        if not compatible(blocks):
+            return False
+        self.qmm = Int4Matmul(blocks)
+        self.weight = torch.nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qmm is not None:
+            y = self.qmm(x)
+            if self.shard_dim == 1 and self.comm is not None and self.comm.size > 1:
+                y = self.comm.all_reduce(y)
+            return y if self.bias is None else y + self.bias  # type: ignore[no-any-return]
+        if self.shard_dim == 0:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if self.comm is not None and self.comm.size > 1:
+            y = self.comm.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+def _check_shape(ckpt: Checkpoint, name: str, expected: list[int]) -> None:
+    """A slice of the right size from a tensor of the wrong size would load silently: the
+    whole tensor's shape must be what the config implies."""
+    if name in ckpt and ckpt.shape(name) != expected:
+        raise CheckpointError(f"{ckpt.dir}: tensor {name} has shape {ckpt.shape(name)}; "
+                              f"config.json implies {expected}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor | None, name: str) -> None:
+    if src is None:
+        return  # recorded as missing by the checkpoint; the load report names it
+    if tuple(src.shape) != tuple(dst.shape):
+        raise CheckpointError(f"tensor {name}: the checkpoint's slice has shape "
+                              f"{list(src.shape)}, this rank's parameter {list(dst.shape)}")
+    dst.copy_(src)
+
+
+class RMSNorm(torch.nn.Module):
+    """Root-mean-square norm, computed in float32 as transformers does."""
+
+    def __init__(self, name: str, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.name = name
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+
+    def load(self, ckpt: Checkpoint) -> None:
+        _copy(self.weight.data, ckpt.read(f"{self.name}.weight"), f"{self.name}.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The rotary inverse frequencies, with ``rope_scaling`` applied (float32)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.rope_freq_factors is not None:
+        return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    if s.rope_type == "linear":
+        return inv / s.factor
+    # llama3: low frequencies slowed by `factor`, high ones kept, a smooth blend between.
+    old = s.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(torch.nn.Module):
+    """Rotary position embedding (the rotate-half form Hugging Face checkpoints use),
+    with cos/sin tabled for every position up to ``max_model_len``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inv_freq = rope_inv_freq(cfg)
+        self.dtype = dtype
+        self.limit = cfg.max_model_len
+        # buffers, so that moving the model to a device moves the tables with it
+        self.register_buffer("cos", torch.empty(0, cfg.head_dim, dtype=dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(0, cfg.head_dim, dtype=dtype), persistent=False)
+        self.ensure(min(self.limit, 4096))
+
+    def ensure(self, positions: int) -> None:
+        """Table at least ``positions`` positions. Tables grow by doubling up to
+        ``max_model_len``: a 128k-context config does not cost 128k rows until it is used.
+        A row's values do not depend on the table's length."""
+        have = self.cos.shape[0]
+        if positions <= have:
+            return
+        n = min(self.limit, max(positions, 2 * have))
+        pos = torch.arange(n, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=self.cos.device, dtype=self.dtype)
+        self.sin = emb.sin().to(device=self.sin.device, dtype=self.dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` [T, heads, d], ``k`` [T, kv_heads, d] rotated to ``positions`` [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VocabEmbedding(torch.nn.Module):
+    """Token embedding, replicated or split by vocabulary rows across ranks.
+
+    Vocab-parallel: this rank holds rows ``[start, stop)``; ids outside give zeros and
+    one all-reduce sums the ranks' rows. The same weight serves a tied LM head.
+    """
+
+    def __init__(self, name: str, vocab: int, hidden: int, dtype: torch.dtype,
+                 comm: TPComm, parallel: bool, quantized: bool = False) -> None:
+        super().__init__()
+        self.name = name
+        self.quantized = quantized
+        self.rows: QuantRows | None = None   # the table still in its GGUF blocks
+        self.comm = comm
+        self.parallel = parallel and comm.size > 1
+        self.vocab = vocab
+        per = vocab // comm.size if self.parallel else vocab
+        self.start = comm.rank * per if self.parallel else 0
+        self.stop = self.start + per
+        self.weight = torch.nn.Parameter(torch.empty(per, hidden, dtype=dtype),
+                                         requires_grad=False)
+        self.weight.shard_dim = 0 if self.parallel else None  # type: ignore[attr-defined]
+
+    def load(self, ckpt: Checkpoint) -> None:
+        name = f"{self.name}.weight"
+        _check_shape(ckpt, name, [self.vocab, self.weight.shape[1]])
+        qt = ckpt.read_quantized(name, 0, self.start, self.stop) if self.quantized else None
+        if qt is not None:
+            self.rows = QuantRows(qt, self.weight.dtype)
+            self.weight = torch.nn.Parameter(self.weight.data.new_empty(0),
+                                             requires_grad=False)
+            return
+        _copy(self.weight.data, ckpt.read(name, 0, self.start, self.stop), name)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids) if self.rows is not None else F.embedding(ids, self.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.parallel:
+            return self._lookup(ids)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.stop - self.start)
+        out = self._lookup(local.masked_fill(outside, 0))
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.comm.all_reduce(out)
+
+
+class LMHead(torch.nn.Module):
+    """Logits over the vocabulary: replicated, or vocab-parallel with an all-gather."""
+
+    def __init__(self, embedding: VocabEmbedding, untied_name: str | None) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.name = untied_name
+        self.qmm: Int4Matmul | None = None
+        self.weight = embedding.weight if untied_name is None else torch.nn.Parameter(
+            torch.empty_like(embedding.weight), requires_grad=False)
+
+    def load(self, ckpt: Checkpoint) -> None:
+        e = self.embedding
+        if self.name is None:
+            ckpt.skip("lm_head.weight")  # tied: some checkpoints store the copy anyway
+            if e.rows is None:
+                self.weight = e.weight   # the embedding's, as loaded
+                return
+            # the table stayed quantized: the head packs the same blocks for its matmul
+            name = f"{e.name}.weight"
+        else:
+            name = f"{self.name}.weight"
+            _check_shape(ckpt, name, [e.vocab, self.weight.shape[1]])
+        # a tied quantized table always has blocks the kernel takes (rows of 32s)
+        qt = ckpt.read_quantized(name, 0, e.start, e.stop) if e.quantized else None
+        if qt is not None:
+            self.qmm = Int4Matmul([qt])
+            self.weight = torch.nn.Parameter(self.weight.data.new_empty(0),
+                                             requires_grad=False)
+            return
+        _copy(self.weight.data, ckpt.read(name, 0, e.start, e.stop), name)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.qmm(hidden) if self.qmm is not None else F.linear(hidden, self.weight)
+        if not self.embedding.parallel:
+            return logits
+        comm = self.embedding.comm
+        parts = comm.all_gather(logits.contiguous())        # [size * T, V / size]
+        t = logits.shape[0]
+        return parts.view(comm.size, t, -1).permute(1, 0, 2).reshape(t, -1)
