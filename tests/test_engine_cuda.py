@@ -62,7 +62,7 @@ def hf_greedy(model_dir: Path, dtype: str) -> list[list[int]]:
 
 def engine_greedy(model_dir: Path, **opts: object) -> list[list[int]]:
     with LLM(model_dir, page_tokens=PT, num_pages=64, **opts) as llm:  # type: ignore[arg-type]
-        assert all(m["device"].startswith("cuda:") for m in llm.engine.group.memory)
+        assert all(m.device.startswith("cuda:") for m in llm.engine.executor.memory)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(NEW))
     return [o.outputs[0].token_ids for o in outs]
 

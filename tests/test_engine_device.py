@@ -99,8 +99,8 @@ def test_explicit_cpu_device_serves_as_before(model_dir: Path, reference: list[i
                                               tp: int) -> None:
     with LLM(model_dir, tensor_parallel_size=tp, page_tokens=PT, num_pages=32,
              device="cpu") as llm:
-        assert llm.engine.group.devices.comm == ("shm" if tp > 1 else "solo")
-        assert [m["device"] for m in llm.engine.group.memory] == ["cpu"] * tp
+        assert llm.engine.executor.devices.comm == ("shm" if tp > 1 else "solo")
+        assert [m.device for m in llm.engine.executor.memory] == ["cpu"] * tp
         (out,) = llm.generate({"prompt_token_ids": PROMPT}, greedy(24))
     assert out.outputs[0].token_ids == reference
 
@@ -113,7 +113,7 @@ def test_tp2_over_a_local_torch_distributed_group(model_dir: Path, reference: li
     opts = {"tensor_parallel_size": 2, "page_tokens": PT, "num_pages": 32,
             "tp_comm": "gloo", "prefix_cache_disk": tmp_path / "disk"}
     with LLM(model_dir, **opts) as llm:   # type: ignore[arg-type]
-        assert llm.engine.group.devices == DevicePlan(("cpu", "cpu"), "gloo")
+        assert llm.engine.executor.devices == DevicePlan(("cpu", "cpu"), "gloo")
         (out,) = llm.generate({"prompt_token_ids": PROMPT}, greedy(24))
         assert out.outputs[0].token_ids == reference
         assert llm.drain_disk_stores(60)

@@ -115,7 +115,7 @@ def test_a_load_failing_on_one_rank_is_a_miss(model_dir: Path, tmp_path: Path,
         ref = _tokens(computed)
         assert llm.reset_prefix_cache()                           # memory tier dropped
 
-        worker = engine.group.worker
+        worker = engine.executor.worker
         worker.arm_failpoint("cache.load.pinned", f"errno:{errno.EIO}", ranks=[1])
         with caplog.at_level(logging.WARNING, logger="phalanx.engine"):
             failed = llm.generate(prompts, sp)
@@ -123,13 +123,13 @@ def test_a_load_failing_on_one_rank_is_a_miss(model_dir: Path, tmp_path: Path,
         assert _tokens(failed) == ref                             # recomputed
         assert all(o.cached_tokens_disk == 0 and o.outputs[0].finish_reason == "length"
                    for o in failed)
-        assert engine.dead is None and engine.stats()["disk_tier_load_failures"] == 1
+        assert engine.dead is None and engine.stats().as_metrics()["disk_tier_load_failures"] == 1
         assert tier.stats.load_failures == 1
         (line,) = [r.getMessage() for r in caplog.records if "failed on rank" in r.getMessage()]
         key = page_keys(prompts[0]["prompt_token_ids"], PT, engine.fingerprint)[2]
         for part in ("rank 1", key.hex(), "rank-1", f"errno {errno.EIO} (EIO)"):
             assert part in line, (part, line)
-        assert engine.disk_cache.stats()[0]["leases"] == 0       # released after all
+        assert engine.disk_tier.cache.stats()[0]["leases"] == 0       # released after all
 
         assert llm.reset_prefix_cache()
         again = llm.generate(prompts, sp)                         # a disk hit again
@@ -153,14 +153,14 @@ def test_a_miss_asks_rank_0_nothing_and_a_hit_still_finds_its_pages(
         tier = llm.engine.disk_tier
         assert tier is not None
         computed = llm.generate(prompts[:1], sp)
-        stats = llm.engine.stats()
+        stats = llm.engine.stats().as_metrics()
         assert (stats["disk_tier_lookups"], stats["disk_tier_lookups_skipped"]) == (0, 1)
         assert tier.drain(60) and tier.stats.stores > 0
         assert llm.reset_prefix_cache()
         # the second prompt shares the first's three pages: known from its store
         (hit,) = llm.generate(prompts[1:], sp)
         assert hit.cached_tokens_disk == 3 * PT
-        assert llm.engine.stats()["disk_tier_lookups"] == 1
+        assert llm.engine.stats().as_metrics()["disk_tier_lookups"] == 1
         assert tier.drain(60)
     with LLM(model_dir, **kw) as llm:                             # recovered from disk
         (again,) = llm.generate(prompts[:1], sp)
@@ -168,5 +168,5 @@ def test_a_miss_asks_rank_0_nothing_and_a_hit_still_finds_its_pages(
         assert _tokens([again]) == _tokens(computed)
         fresh = llm.generate({"prompt_token_ids": [200 + i for i in range(2 * PT)]}, sp)
         assert fresh[0].cached_tokens_disk == 0
-        stats = llm.engine.stats()
+        stats = llm.engine.stats().as_metrics()
         assert (stats["disk_tier_lookups"], stats["disk_tier_lookups_skipped"]) == (1, 1)

@@ -244,7 +244,7 @@ def test_a_killed_rank_fails_every_request_and_poisons(model_dir: Path) -> None:
         errors = []
         for i, out in enumerate(stream):
             if i == 2:
-                llm.engine.group.worker.arm_failpoint("rank.task.received", "kill", ranks=[1])
+                llm.engine.executor.worker.arm_failpoint("rank.task.received", "kill", ranks=[1])
             if out.finished:
                 errors.append(out)
         assert len(errors) == 2
@@ -261,7 +261,7 @@ def test_a_killed_rank_fails_every_request_and_poisons(model_dir: Path) -> None:
 def test_ranks_run_with_one_malloc_arena(llm: LLM) -> None:
     # steps run on whichever serving thread read them; an arena per thread made every
     # step fault its temporaries in afresh (phalanx.engine.worker.local.rank_env)
-    outcomes = llm.engine.group.worker.call_ranks([0, 1], os.getenv, "MALLOC_ARENA_MAX")
+    outcomes = llm.engine.executor.worker.call_ranks([0, 1], os.getenv, "MALLOC_ARENA_MAX")
     assert {r: o.value for r, o in outcomes.items()} == {0: "1", 1: "1"}
 
 
@@ -299,7 +299,7 @@ def test_disk_tier_cached_equals_recomputed(model_dir: Path, tmp_path: Path) -> 
         cold = llm.generate(_ids(prompts), sp)
         assert [o.outputs[0].token_ids for o in cold] == ref
         assert llm.drain_disk_stores(60)
-        stats = llm.engine.stats()
+        stats = llm.engine.stats().as_metrics()
         assert stats["cache_disk_stores_pending"] == 0 and stats["disk_tier_stores"] > 0
         assert stats["disk_tier_store_failures"] == 0
         warm = llm.generate(_ids(prompts), sp)                       # memory tier
@@ -319,24 +319,24 @@ def test_disk_tier_cached_equals_recomputed(model_dir: Path, tmp_path: Path) -> 
         assert [o.outputs[0].token_ids for o in restarted] == ref
         assert all(o.cached_tokens_disk > 0 for o in restarted[:4])
         # a disk tier that refuses every store costs misses, never a wrong answer
-        again.engine.group.worker.arm_failpoint("cache.store.temp_opened", "raise")
+        again.engine.executor.worker.arm_failpoint("cache.store.temp_opened", "raise")
         out = again.generate(_ids(refused), sp)
         assert [o.outputs[0].token_ids for o in out] == ref_refused
         assert again.drain_disk_stores(60)
-        assert again.engine.stats()["disk_tier_store_failures"] > 0
-        again.engine.group.worker.disarm_failpoints()
+        assert again.engine.stats().as_metrics()["disk_tier_store_failures"] > 0
+        again.engine.executor.worker.disarm_failpoints()
         assert again.reset_prefix_cache()
         out2 = again.generate(_ids(refused), sp)
         assert [o.outputs[0].token_ids for o in out2] == ref_refused
         # a store that hangs on rank 0: the request did not wait for it, the store is
         # reported pending until it ends (the hang's 5 s bound the check's window)
-        again.engine.group.worker.arm_failpoint("cache.store.temp_opened", "hang:5*1",
+        again.engine.executor.worker.arm_failpoint("cache.store.temp_opened", "hang:5*1",
                                                 ranks=0)
         again.generate(_ids(_shared_prompts(1, seed=3)), sp)
-        assert again.engine.stats()["cache_disk_stores_pending"] >= 1
+        assert again.engine.stats().as_metrics()["cache_disk_stores_pending"] >= 1
         assert not again.drain_disk_stores(0)
         assert again.drain_disk_stores(60)
-        assert again.engine.stats()["cache_disk_stores_pending"] == 0
+        assert again.engine.stats().as_metrics()["cache_disk_stores_pending"] == 0
 
 
 def _ids(prompts: list[list[int]]) -> list[dict[str, Any]]:

@@ -122,7 +122,7 @@ def test_pages_round_trip(checkpoints: dict[str, Path]) -> None:
              for table in ([0, 1, 2], [6, 7, 8])]
     assert nexts[0] == nexts[1]
     mem = runner.memory()
-    assert mem["weight_bytes"] == mem["bytes_read"]
+    assert mem.weight_bytes == mem.bytes_read
 
 
 def _raw(path: Path) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def _refused(call: Any) -> BaseException:
 
 def test_a_closed_rank_group_refuses_a_job_at_once(model_dir: Path) -> None:
     llm = LLM(model_dir, tensor_parallel_size=1, page_tokens=PT, num_pages=32)
-    group = llm.engine.group
+    group = llm.engine.executor
     llm.close()
     exc = _refused(lambda: group.on_rank0(os.getpid))
     assert isinstance(exc, EngineDeadError) and "closed" in str(exc), exc
@@ -108,7 +108,7 @@ spec = NodeSpec(1, 0, "127.0.0.1", port, secrets.token_hex(16), timeout=60.0)
 with MultiHostWorker(spec, 1) as hosts:
     engine = Engine(EngineConfig(model=sys.argv[1], tensor_parallel_size=1, page_tokens=16,
                                  num_pages=32), None, eos_token_ids=None, hosts=hosts)
-    group = engine.group
+    group = engine.executor
     assert group.on_rank0(os.getpid) != os.getpid()  # rank 0 answers while open
     engine.close()
     try:

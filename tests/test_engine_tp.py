@@ -101,12 +101,12 @@ def test_oracle_tp(worker: phalanx.Worker, checkpoints: dict[str, Any], case: st
         assert res["tokens"] == ref_tokens, f"{case} rank {r}"
         assert res["report"]["missing"] == [] and res["report"]["unexpected"] == []
         # every rank read exactly what it holds, never the whole model
-        assert res["memory"]["weight_bytes"] == res["memory"]["bytes_read"]
+        assert res["memory"].weight_bytes == res["memory"].bytes_read
     # the ranks' logits are bit-identical: sums are taken in the same order everywhere
     assert all(torch.equal(res["logits"], results[0]["logits"]) for res in results)
     full = CausalLM.from_pretrained(path, load_config(path))[0].weight_bytes()
     rep = _replicated_bytes(path)
-    per_rank = [res["memory"]["weight_bytes"] for res in results]
+    per_rank = [res["memory"].weight_bytes for res in results]
     if "kv-split" in case or case.startswith("qwen2"):
         assert per_rank == [rep + (full - rep) // tp] * tp, (per_rank, full, rep)
     else:  # the replicated KV head's k/v rows are held by several ranks
@@ -120,7 +120,7 @@ def test_vocab_parallel_tp2(worker: phalanx.Worker, checkpoints: dict[str, Any])
     for res in results:
         assert (res["logits"] - ref_logits).abs().max().item() <= ATOL
         assert res["tokens"] == ref_tokens
-        assert res["memory"]["weight_bytes"] * 2 < full + 4096  # about half of everything
+        assert res["memory"].weight_bytes * 2 < full + 4096  # about half of everything
 
 
 def _rank_gloo(store_path: str, rank: int, size: int, path: Path) -> dict[str, Any]:
@@ -194,7 +194,10 @@ def _rank_stage_prompt(d: Any, path: Path, keys: list[bytes]) -> Any:
     from phalanx.engine.core.plan import PageSave, SamplingSpec, SeqChunk, StepPlan
     from phalanx.engine.worker.tp import DomainComm
 
-    runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS, disk_tier=True)
+    from phalanx.engine.disk.staging import attach_staging
+
+    runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS)
+    attach_staging(runner)
     plan = StepPlan(0, [SeqChunk(1, PROMPT, 0, [0, 1, 2], False, SamplingSpec())],
                     saves=[PageSave(keys, list(range(len(keys))))])
     runner.execute(plan)
@@ -207,7 +210,10 @@ def _rank_generate_cached(d: Any, path: Path, keys: list[bytes]) -> dict[str, An
     from phalanx.engine.core.plan import PageLoad
     from phalanx.engine.worker.tp import DomainComm
 
-    runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS, disk_tier=True)
+    from phalanx.engine.disk.staging import attach_staging
+
+    runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS)
+    attach_staging(runner)
     cached = len(keys) * PAGE_TOKENS
     # the prefix lands in other pages than it was computed in: pages 3 and 4
     logits, tokens = engine_generate(runner, first_page=3, cached=cached,
