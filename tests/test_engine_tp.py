@@ -192,9 +192,8 @@ _FINGERPRINT = b"engine-tp-test-model"
 
 def _rank_stage_prompt(d: Any, path: Path, keys: list[bytes]) -> Any:
     from phalanx.engine.core.plan import PageSave, SamplingSpec, SeqChunk, StepPlan
-    from phalanx.engine.worker.tp import DomainComm
-
     from phalanx.engine.disk.staging import attach_staging
+    from phalanx.engine.worker.tp import DomainComm
 
     runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS)
     attach_staging(runner)
@@ -208,9 +207,8 @@ def _rank_stage_prompt(d: Any, path: Path, keys: list[bytes]) -> Any:
 
 def _rank_generate_cached(d: Any, path: Path, keys: list[bytes]) -> dict[str, Any]:
     from phalanx.engine.core.plan import PageLoad
-    from phalanx.engine.worker.tp import DomainComm
-
     from phalanx.engine.disk.staging import attach_staging
+    from phalanx.engine.worker.tp import DomainComm
 
     runner = Runner(path, DomainComm(d), num_pages=8, page_tokens=PAGE_TOKENS)
     attach_staging(runner)
