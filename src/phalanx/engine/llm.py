@@ -11,7 +11,7 @@ A prompt is a string (tokenized with the model's tokenizer) or
 that advanced it (the form a server streams from). One LLM runs one generate at a time.
 
 ``device="cuda"`` runs rank ``r`` on ``cuda:{r % torch.cuda.device_count()}`` (TP over
-NCCL, one GPU per rank; "cuda:N" for one chosen GPU at TP 1): see engine/devices.py.
+NCCL, one GPU per rank; "cuda:N" for one chosen GPU at TP 1): see engine/worker/devices.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The shape users know from vLLM, SGLang and torchrun; the job token (PHALANX_JOB_
 the same on every host) authenticates the hosts to each other.
 
 The disk tier spans the hosts: each host's ranks keep their shards under the same
-``--prefix-cache-disk`` path on that host (engine/host_disk.py).
+``--prefix-cache-disk`` path on that host (engine/multihost/disk.py).
 
 A lost host ends the job: node 0's engine fails what is in flight naming the node and
 its ranks, ``/health`` turns 503, and every host exits 1 naming the lost node, so that

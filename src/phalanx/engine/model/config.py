@@ -67,7 +67,7 @@ class ModelConfig:
     dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    # "gguf": a GGUF file's Q4_0/Q4_1/Q8_0 weights stay quantized (engine/quant.py)
+    # "gguf": a GGUF file's Q4_0/Q4_1/Q8_0 weights stay quantized (engine/model/quant.py)
     quantization: str = "none"
     # Llama 3.x rope as GGUF stores it: one divisor per rotary frequency
     rope_freq_factors: tuple[float, ...] | None = None
@@ -80,7 +80,7 @@ class ModelConfig:
     def tp_problem(self, size: int) -> str | None:
         """Why TP ``size`` cannot split this model (None: it can). Query heads and MLP
         columns split evenly; KV heads split, or are replicated when TP is a multiple of
-        them (engine/model.py's Shard)."""
+        them (engine/model/transformer.py's Shard)."""
         if self.num_heads % size:
             return f"num_attention_heads={self.num_heads} does not divide by {size}"
         if self.intermediate_size % size:

@@ -29,7 +29,7 @@ __all__ = ["DEQUANTIZED", "KEPT_QUANTIZED", "GGUFFile", "GGUFTensor", "forget_gg
            "is_gguf", "open_gguf"]
 
 _MAGIC = b"GGUF"
-# Types held as int4 in memory on the quantized path (engine/quant.py); every other
+# Types held as int4 in memory on the quantized path (engine/model/quant.py); every other
 # readable type is dequantized at load.
 KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")
 # Types the gguf package's numpy dequantizer reads exactly; anything else is refused at

@@ -11,7 +11,7 @@ the two give the same tokens:
 - :class:`GGUFCheckpoint` reads tensors by their Hugging Face names, one rank's slice at
   a time (rows of quantized tensors are whole blocks: a row slice costs no decode), with
   the Q/K rows un-permuted per head, dequantized with the ``gguf`` package, or handed
-  over still quantized (:meth:`GGUFCheckpoint.read_quantized`) for engine/quant.py.
+  over still quantized (:meth:`GGUFCheckpoint.read_quantized`) for engine/model/quant.py.
 """
 
 from __future__ import annotations

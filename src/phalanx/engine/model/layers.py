@@ -58,7 +58,7 @@ class ParallelLinear(torch.nn.Module):
                  quantized: bool = False) -> None:
         super().__init__()
         self.parts = parts
-        # quantized: the checkpoint's Q4_0/Q4_1/Q8_0 blocks are kept (engine/quant.py)
+        # quantized: the checkpoint's Q4_0/Q4_1/Q8_0 blocks are kept (engine/model/quant.py)
         # where every part has them; else the weight is read dense
         self.quantized = quantized
         self.qmm: Int4Matmul | None = None

@@ -14,7 +14,7 @@ The TP communicator (``tp_comm``) follows from it unless named:
 The shared-memory domain reduces host memory only, so it never serves a GPU; NCCL takes
 one GPU per rank, so TP beyond the GPUs torch sees is refused at start, before any rank
 process exists. ``gloo`` and ``nccl`` form a torch.distributed group among the local
-ranks on a ``TCPStore`` the parent holds (engine/ranks.py), the machinery of the
+ranks on a ``TCPStore`` the parent holds (engine/worker/local.py), the machinery of the
 multi-host path (phalanx/hosts/dist.py).
 
 :func:`plan_devices` is pure (tests give it any GPU count); :func:`resolve_devices` asks

@@ -88,7 +88,7 @@ class RankGroup(ExecutorBase):
     rank and returns rank 0's encoded result. A failure (a dead rank, a failed task) is
     raised to the caller and ends the run: the group is then dead.
 
-    ``devices``: each rank's device and the communicator (engine/devices.py); None: on
+    ``devices``: each rank's device and the communicator (engine/worker/devices.py); None: on
     CPU over the shared-memory domain.
     """
 

@@ -80,7 +80,7 @@ class Runner:
                  threads: int | None = None, device: str = "cpu",
                  decode_gather_bytes: int = DECODE_GATHER_BYTES) -> None:
         self.comm: TPComm = comm or SoloComm()
-        # "cuda:N" runs the shard on that GPU (TP over TorchDistComm: engine/devices.py);
+        # "cuda:N" runs the shard on that GPU (TP over TorchDistComm: engine/worker/devices.py);
         # the disk tier's pages pass through host memory then (_load_buffer, read_pages)
         self.device = torch.device(device)
         if self.device.type == "cuda":
