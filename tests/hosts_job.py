@@ -232,7 +232,7 @@ def allreduce_us(store_addr: str, store_port: int, prefix: str, rank: int, world
     and over the tiered path, measured in turn in this rank (the tiered scenario's rank task)."""
     import torch
 
-    from phalanx.engine.multihost.domains import tiered_comm
+    from phalanx.engine.worker.rank import tiered_comm
     from phalanx.engine.worker.tp import TorchDistComm
     from phalanx.hosts.dist import destroy, join_group
 
@@ -268,7 +268,8 @@ def allreduce_us(store_addr: str, store_port: int, prefix: str, rank: int, world
 def _tiered(w: Any, iters: int) -> None:
     """The same-host domains of a job of hosts with several ranks each, and one
     all-reduce's cost over gloo alone and over the tiered path, measured on every rank."""
-    from phalanx.engine.multihost.domains import TP_WINDOW, open_host_domain, release_host_domain
+    from phalanx.engine.multihost.domains import open_host_domain, release_host_domain
+    from phalanx.engine.worker.executor import TP_WINDOW
 
     nodes = len(w.nodes)
     ids = [w.call_host(n, open_host_domain, "t_tiered", TP_WINDOW, 60.0) for n in range(nodes)]

@@ -25,7 +25,7 @@ from ..disk.staging import attach_staging, expect_loads
 from ..model.parallel import SoloComm, TPComm
 
 __all__ = ["CLOSE_WAIT_S", "DistArgs", "close_rank", "execute_rank", "open_host_rank",
-           "open_local_rank"]
+           "open_local_rank", "tiered_comm"]
 
 # a rank's place in the local torch.distributed group: (store port, key prefix, rank,
 # world, timeout, backend)
@@ -102,7 +102,7 @@ def open_host_rank(runner_id: str, model_dir: str, kwargs: dict[str, Any], seed:
         threads = max(1, len(os.sched_getaffinity(0)) // max(1, ranks_here))
         comm: Any = TorchDistComm(group)
         if host_domain is not None:
-            comm = _tiered_comm(group, ranks_here, *host_domain)
+            comm = tiered_comm(group, ranks_here, *host_domain)
         return _open_runner(runner_id, model_dir, comm, {**kwargs, "threads": threads},
                             disk_staging)
     except BaseException:
@@ -110,7 +110,7 @@ def open_host_rank(runner_id: str, model_dir: str, kwargs: dict[str, Any], seed:
         raise
 
 
-def _tiered_comm(world_group: Any, per_node: int, alloc_id: int, name: str) -> Any:
+def tiered_comm(world_group: Any, per_node: int, alloc_id: int, name: str) -> Any:
     """This rank's tiered communicator: its host's domain, then its cross-host group
     (every rank makes every cross group, in the same order, as torch.distributed
     requires)."""
