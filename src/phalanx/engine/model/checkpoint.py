@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from .._errors import CheckpointError
 from .gguf_file import is_gguf
-from .weights import LoadReport, WeightSource
+from .weights import LoadReport, ReadLedger, WeightSource
 
 if TYPE_CHECKING:
     import torch
@@ -87,9 +87,7 @@ class Checkpoint:
         self.dir = Path(model_dir)
         self._where = _files(self.dir)
         self._open: dict[Path, Any] = {}
-        self._read: set[str] = set()
-        self._missing: list[str] = []
-        self.report_ = LoadReport()
+        self._ledger = ReadLedger(self._where)
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -129,7 +127,7 @@ class Checkpoint:
         """Tensor ``name``, or only ``[start, stop)`` along ``dim``; None (and recorded as
         missing) when the checkpoint lacks it."""
         if name not in self._where:
-            self._missing.append(name)
+            self._ledger.absent(name)
             return None
         sl = self._handle(name).get_slice(name)
         shape = list(sl.get_shape())
@@ -142,9 +140,7 @@ class Checkpoint:
                                       f"[{start}, {end}) of dim {dim} is out of range")
             index = tuple([slice(None)] * dim + [slice(start, end)])
             t = sl[index]
-        self._read.add(name)
-        self.report_.tensors += 1
-        self.report_.bytes_read += t.numel() * t.element_size()
+        self._ledger.took(name, t.numel() * t.element_size())
         return t  # type: ignore[no-any-return]
 
     def read_quantized(self, name: str, dim: int, start: int,
@@ -154,13 +150,8 @@ class Checkpoint:
 
     def skip(self, name: str) -> None:
         """Mark ``name`` as deliberately unread (a tied LM head stored anyway)."""
-        if name in self._where:
-            self._read.add(name)
+        self._ledger.skip(name)
 
     def report(self) -> LoadReport:
         """Missing and unexpected tensors of the load so far."""
-        self.report_.missing = sorted(set(self._missing))
-        self.report_.unexpected = sorted(
-            n for n in self._where
-            if n not in self._read and not n.endswith(_IGNORED_SUFFIXES))
-        return self.report_
+        return self._ledger.report(ignored=lambda n: n.endswith(_IGNORED_SUFFIXES))

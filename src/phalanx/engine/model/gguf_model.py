@@ -27,7 +27,7 @@ from gguf.quants import dequantize
 from .._errors import CheckpointError, ModelConfigError
 from .gguf_file import KEPT_QUANTIZED, GGUFFile, GGUFTensor, open_gguf
 from .quant import QuantTensor
-from .weights import LoadReport
+from .weights import LoadReport, ReadLedger
 
 if TYPE_CHECKING:
     import numpy as np
@@ -147,9 +147,7 @@ class GGUFCheckpoint:
         self._heads = int(self.file.get(f"{arch}.attention.head_count", 1))
         self._kv_heads = int(self.file.get(f"{arch}.attention.head_count_kv", self._heads))
         self._where = _hf_names(self.file)
-        self._read: set[str] = set()
-        self._missing: list[str] = []
-        self.report_ = LoadReport()
+        self._ledger = ReadLedger(self._where)
 
     def __enter__(self) -> GGUFCheckpoint:
         return self
@@ -170,23 +168,20 @@ class GGUFCheckpoint:
         return list(self.file.tensors[self._where[name]].shape)
 
     def skip(self, name: str) -> None:
-        if name in self._where:
-            self._read.add(name)
+        self._ledger.skip(name)
 
     def report(self) -> LoadReport:
-        self.report_.missing = sorted(set(self._missing))
-        self.report_.unexpected = sorted(
-            [n for n in self._where if n not in self._read]
-            + [n for n in self.file.tensors if _gguf_name_unmapped(n, self._where)])
-        return self.report_
+        """Missing and unexpected tensors of the load so far; a GGUF tensor with no
+        Hugging Face name is unexpected too."""
+        return self._ledger.report(unmapped=[
+            n for n in self.file.tensors if _gguf_name_unmapped(n, self._where)])
 
     # -- reads -------------------------------------------------------------------------
     def _tensor(self, name: str) -> GGUFTensor | None:
         where = self._where.get(name)
         if where is None:
-            self._missing.append(name)
+            self._ledger.absent(name)
             return None
-        self._read.add(name)
         return self.file.tensors[where]
 
     def _rows(self, name: str, t: GGUFTensor, start: int, stop: int) -> np.ndarray:
@@ -221,8 +216,7 @@ class GGUFCheckpoint:
         begin = 0 if dim is None else start
         self._check(name, t, d, begin, end)
         rows = self._rows(name, t, begin, end) if d == 0 else self._rows(name, t, 0, t.shape[0])
-        self.report_.tensors += 1
-        self.report_.bytes_read += rows.nbytes
+        self._ledger.took(name, rows.nbytes)
         values = dequantize(rows, GGMLQuantizationType[t.qtype]) if t.quantized else rows
         # a copy: the rows may be a view of the read-only memory map
         out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
@@ -242,7 +236,6 @@ class GGUFCheckpoint:
         if dim == 1 and (start % block or stop % block):
             return None
         self._check(name, t, dim, start, stop)
-        self._read.add(name)
         if dim == 0:
             rows = self._rows(name, t, start, stop)
             cols = t.shape[1]
@@ -251,8 +244,7 @@ class GGUFCheckpoint:
             rows = self._rows(name, t, 0, t.shape[0])[:, start // block * per:
                                                          stop // block * per]
             cols = stop - start
-        self.report_.tensors += 1
-        self.report_.bytes_read += rows.nbytes
+        self._ledger.took(name, rows.nbytes)
         return QuantTensor(t.qtype, rows, cols)
 
 

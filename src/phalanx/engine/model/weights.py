@@ -4,6 +4,7 @@ read (:class:`LoadReport`): one surface over a safetensors directory
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
     from .quant import QuantTensor
 
-__all__ = ["LoadReport", "WeightSource"]
+__all__ = ["LoadReport", "ReadLedger", "WeightSource"]
 
 
 @dataclass
@@ -28,6 +29,43 @@ class LoadReport:
     def to_dict(self) -> dict[str, Any]:
         return {"missing": self.missing, "unexpected": self.unexpected,
                 "tensors": self.tensors, "bytes_read": self.bytes_read}
+
+
+class ReadLedger:
+    """What one weight source's load has read so far, kept the same way for both sources
+    (each holds one): the names read or deliberately skipped, the names asked for and
+    absent, and the tensors and bytes read."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._names = frozenset(names)
+        self._read: set[str] = set()
+        self._missing: set[str] = set()
+        self._tensors = 0
+        self._bytes = 0
+
+    def absent(self, name: str) -> None:
+        """``name`` was asked for and the source lacks it."""
+        self._missing.add(name)
+
+    def took(self, name: str, nbytes: int) -> None:
+        """``name`` was read: ``nbytes`` of it, as stored."""
+        self._read.add(name)
+        self._tensors += 1
+        self._bytes += nbytes
+
+    def skip(self, name: str) -> None:
+        """Mark ``name`` as deliberately unread (a tied LM head stored anyway)."""
+        if name in self._names:
+            self._read.add(name)
+
+    def report(self, ignored: Callable[[str], bool] = lambda name: False,
+               unmapped: Iterable[str] = ()) -> LoadReport:
+        """The load so far: every source name neither read nor ``ignored`` is
+        unexpected, and so is each of the source's own ``unmapped`` names."""
+        unexpected = [n for n in self._names if n not in self._read and not ignored(n)]
+        return LoadReport(missing=sorted(self._missing),
+                          unexpected=sorted([*unexpected, *unmapped]),
+                          tensors=self._tensors, bytes_read=self._bytes)
 
 
 class WeightSource(Protocol):

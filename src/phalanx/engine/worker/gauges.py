@@ -10,7 +10,7 @@ on a scrape's thread beside the engine thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from phalanx.comm.rank_state import rank_comm
@@ -60,17 +60,9 @@ class EngineGauges:
 
     def as_metrics(self) -> dict[str, Any]:
         """The figures under the names ``phalanx.serve.api.metrics`` exports."""
-        out: dict[str, Any] = {"uncertain_resources": self.uncertain_resources}
-        if self.disk:
-            out.update(
-                cache_disk_records=self.cache_disk_records,
-                cache_disk_bytes=self.cache_disk_bytes,
-                cache_maintenance_queue=self.cache_maintenance_queue,
-                cache_maintenance_queued=self.cache_maintenance_queued,
-                replication_link_window=self.replication_link_window,
-                replication_link_window_free=self.replication_link_window_free,
-                replication_link_pending=self.replication_link_pending)
-        return out
+        if not self.disk:
+            return {"uncertain_resources": self.uncertain_resources}
+        return {k: v for k, v in asdict(self).items() if k != "disk"}
 
 
 def gather_gauges(per_rank: dict[int, Any], parent_uncertain: int, disk: bool
