@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from cache_util import FP, GEOM, Built, Clock, Stores, build_tree, page_row, record_files, stores
 from phalanx.kvstore import DiskStore, RecordCorruptError, StoreOptions, fingerprint_digest
@@ -254,6 +255,7 @@ _WRITER = r"""
 import sys, time
 sys.path.insert(0, sys.argv[3])
 import numpy as np
+import pytest
 from cache_util import FP, GEOM, page_row
 from phalanx.kvstore import DiskStore, StoreOptions
 rng = np.random.default_rng(int(sys.argv[2]))
@@ -273,6 +275,7 @@ with DiskStore(sys.argv[1], GEOM, FP, StoreOptions(capacity_bytes=64 * 1024, pro
 """
 
 
+@pytest.mark.slow  # a kill trial (9 s): the campaign's, beside test_cache_crash's
 def test_kill9_between_data_and_snapshot_recovers_exactly(tmp_path: Path) -> None:
     rnd = random.Random(7)
     here = str(Path(__file__).parent)

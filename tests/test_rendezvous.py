@@ -46,7 +46,8 @@ def _markers() -> int:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("ranks", [2, 3])
+# two ranks in the quick pass, both backends; three are the campaign's (slow)
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_two_thousand_handshake_pairs_stay_bounded(backend: str, ranks: int,
                                                    tmp_path: Path) -> None:
     runtime_dir = tmp_path / "rt"
