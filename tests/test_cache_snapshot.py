@@ -255,7 +255,6 @@ _WRITER = r"""
 import sys, time
 sys.path.insert(0, sys.argv[3])
 import numpy as np
-import pytest
 from cache_util import FP, GEOM, page_row
 from phalanx.kvstore import DiskStore, StoreOptions
 rng = np.random.default_rng(int(sys.argv[2]))
