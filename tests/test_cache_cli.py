@@ -56,3 +56,46 @@ def test_verify_exits_non_zero_on_corruption(tmp_path: Path, stores: Stores) -> 
     assert bad.exit_code == 1
     rep = json.loads(bad.output)
     assert rep["ok"] is False and rep["corrupt"] == [[name, "page 7 checksum"]]
+
+
+def _flip_last_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def test_inspect_and_verify_read_every_rank_of_a_servers_directory(tmp_path: Path) -> None:
+    """The directory given to ``--prefix-cache-disk`` holds a store per rank and none at
+    its top: read from there, verify said "0 records checked: ok" while rank 1 held a
+    corrupt record, and inspect said 0 records (issue 45)."""
+    d = tmp_path / "prefix-cache"
+    runner = CliRunner()
+    made = runner.invoke(cli, ["cache", "synth", str(d), "--tp", "2", "--records", "6"])
+    assert made.exit_code == 0, made.output
+    ins = runner.invoke(cli, ["cache", "inspect", str(d), "--json"])
+    assert ins.exit_code == 0, ins.output
+    rep = json.loads(ins.output)
+    assert rep["records"] == 12 and rep["skipped"] == [], rep
+    assert {r: rank["records"] for r, rank in rep["ranks"].items()} == {"0": 6, "1": 6}
+    assert rep["bytes"] == sum(rank["bytes"] for rank in rep["ranks"].values()) > 0
+    text = runner.invoke(cli, ["cache", "inspect", str(d)])
+    assert text.exit_code == 0 and "rank-1" in text.output, text.output
+    assert "records    12 " in text.output, text.output
+
+    ok = runner.invoke(cli, ["cache", "verify", str(d), "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["checked"] == 12
+
+    name = record_files(d / "rank-1")[0]
+    _flip_last_byte(d / "rank-1" / name)
+    bad = runner.invoke(cli, ["cache", "verify", str(d), "--json"])
+    assert bad.exit_code == 1, bad.output
+    rep = json.loads(bad.output)
+    assert rep["ok"] is False and rep["checked"] == 12, rep
+    assert [c[0] for c in rep["corrupt"]] == [f"rank-1/{name}"], rep
+    assert rep["ranks"]["0"]["ok"] is True and rep["ranks"]["1"]["ok"] is False, rep
+    text = runner.invoke(cli, ["cache", "verify", str(d)])
+    assert text.exit_code == 1
+    assert f"rank-1/{name}" in text.output and "1 corrupt" in text.output, text.output

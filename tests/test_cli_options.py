@@ -11,7 +11,13 @@ other way (a traceback, exit 1): the issue-34 defect was ``phalanx cache maintai
 
 from __future__ import annotations
 
+import errno
 import functools
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -99,3 +105,83 @@ def test_the_sweep_reaches_every_command() -> None:
             "bench llamacpp", "bench engine"} <= names
     swept = {c[0] for c in _cases()}
     assert "cache maintain" in swept and "serve" in swept
+
+
+# -- an unwritable --prefix-cache-disk (issue 45): one line, exit 2, before any rank ----
+
+@pytest.fixture
+def immutable_rank_dir(tmp_path: Path) -> Iterator[Path]:
+    """DIR whose DIR/rank-0 no one may write: ``chattr +i`` as root (root ignores mode
+    bits), mode 0500 otherwise. The defect: a 79-line traceback from rank 0's store."""
+    rank0 = tmp_path / "disk" / "rank-0"
+    rank0.mkdir(parents=True)
+    if os.geteuid() != 0:
+        rank0.chmod(0o500)
+        yield rank0.parent
+        rank0.chmod(0o700)
+        return
+    if shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", str(rank0)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        yield rank0.parent
+    finally:
+        subprocess.run(["chattr", "-i", str(rank0)], check=True)
+
+
+def _serve(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The installed command (``python -m`` adds runpy's warning line to stderr)."""
+    phalanx = str(Path(sys.executable).parent / "phalanx")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "home")}
+    return subprocess.run([phalanx, "serve", "--port", "0", "--tp", "2", *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def _assert_one_line_naming(done: subprocess.CompletedProcess[str], path: str) -> None:
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].strip(), done.stderr
+    assert path in lines[0] and "errno" in lines[0], lines[0]
+    assert "--no-prefix-cache-disk" in lines[0], lines[0]
+
+
+def test_serve_refuses_a_read_only_rank_dir_in_one_line(immutable_rank_dir: Path,
+                                                        tmp_path: Path) -> None:
+    done = _serve(tmp_path, "--prefix-cache-disk", str(immutable_rank_dir))
+    _assert_one_line_naming(done, str(immutable_rank_dir / "rank-0"))
+
+
+@pytest.mark.parametrize("where", ["file-as-rank-dir", "under-proc"])
+def test_serve_refuses_a_disk_dir_it_cannot_create_in_one_line(where: str,
+                                                               tmp_path: Path) -> None:
+    if where == "under-proc":
+        disk = Path("/proc/phalanx-no-such-dir")
+        named = str(disk)
+    else:
+        disk = tmp_path / "disk"
+        disk.mkdir()
+        (disk / "rank-1").write_text("not a directory")
+        named = str(disk / "rank-1")
+    done = _serve(tmp_path, "--prefix-cache-disk", str(disk))
+    _assert_one_line_naming(done, named)
+
+
+def test_a_disk_error_at_engine_start_is_the_same_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The up-front check passed, then a rank's store failed to open (the directory
+    changed meanwhile): the engine's OSError is the same one line, not a traceback."""
+    import phalanx.serve.server as server
+
+    lock = tmp_path / "disk" / "rank-0" / ".lock"
+
+    def failing_start(cfg: server.ServerConfig, **_: object) -> int:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(lock))
+
+    monkeypatch.setattr(server, "run_server", failing_start)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))  # the embedded model
+    res = CliRunner().invoke(cli, ["serve", "--prefix-cache-disk", str(tmp_path / "disk")])
+    assert res.exit_code == 2, (res.output, res.exception)
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and str(lock) in lines[0], res.output
+    assert "errno 13, Permission denied" in lines[0], lines[0]

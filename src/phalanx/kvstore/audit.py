@@ -10,11 +10,13 @@ import os
 from dataclasses import dataclass, field
 
 from .index import Index
-from .manifest import read_manifest
+from .lock import LOCK_NAME
+from .manifest import MANIFEST_NAME, read_manifest
 from .record import RecordHeader, page_digest, record_name
 from .recovery import build_index, scan
 
-__all__ = ["InspectReport", "VerifyReport", "inspect_directory", "verify_directory"]
+__all__ = ["InspectReport", "VerifyReport", "inspect_directory", "is_store",
+           "verify_directory"]
 
 
 @dataclass
@@ -40,6 +42,12 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.corrupt
+
+
+def is_store(directory: str) -> bool:
+    """Whether a store has opened ``directory`` (its manifest or lock is there): the
+    operator commands read such a directory as one store, whatever else it holds."""
+    return any(os.path.exists(os.path.join(directory, n)) for n in (MANIFEST_NAME, LOCK_NAME))
 
 
 def _bucket(pages: int) -> str:

@@ -2,7 +2,8 @@
 
 A plain click group: each subcommand is one function (``synth`` and ``maintain`` come
 with replication). ``inspect`` and ``verify`` are read-only and take no lock, so they
-are safe beside a live server.
+are safe beside a live server; each takes one rank's store or the server's directory
+(every rank's store, cache_audit.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,21 @@ from typing import Any, TypeVar
 
 import click
 
-from phalanx.kvstore.audit import inspect_directory, verify_directory
+from phalanx.kvstore.audit import (
+    InspectReport,
+    VerifyReport,
+    inspect_directory,
+    verify_directory,
+)
+
+from .cache_audit import (
+    inspect_json,
+    inspect_ranks,
+    rank_stores,
+    verify_json,
+    verify_ranks,
+    verify_ranks_json,
+)
 
 __all__ = ["cache"]
 
@@ -30,11 +45,28 @@ def cache() -> None:
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def inspect_cmd(directory: str, as_json: bool) -> None:
-    """Records, bytes, depth histogram, thinnable rows, skipped files with reasons."""
-    rep = inspect_directory(directory)
-    if as_json:
-        click.echo(json.dumps(dataclasses.asdict(rep), sort_keys=True))
+    """Records, bytes, depth histogram, thinnable rows, skipped files with reasons, of
+    one rank's store or of every rank's under a server's --prefix-cache-disk DIR."""
+    stores = rank_stores(directory)
+    if not stores:
+        rep = inspect_directory(directory)
+        if as_json:
+            click.echo(json.dumps(dataclasses.asdict(rep), sort_keys=True))
+        else:
+            _echo_inspect(rep)
         return
+    total, ranks = inspect_ranks(directory, stores)
+    if as_json:
+        click.echo(json.dumps(inspect_json(total, ranks), sort_keys=True))
+        return
+    for r, rep in ranks.items():
+        click.echo(f"== rank {r}")
+        _echo_inspect(rep)
+    click.echo(f"== total of {len(ranks)} ranks ({', '.join(map(str, ranks))})")
+    _echo_inspect(total)
+
+
+def _echo_inspect(rep: InspectReport) -> None:
     click.echo(f"directory  {rep.directory}")
     click.echo(f"geometry   {rep.geometry or 'unknown (no manifest)'}")
     click.echo(f"records    {rep.records} ({rep.thinned} thinned to their header)")
@@ -54,19 +86,30 @@ def inspect_cmd(directory: str, as_json: bool) -> None:
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def verify_cmd(directory: str, as_json: bool) -> None:
-    """Check every record's header and page checksums; exit 1 on any corruption."""
-    rep = verify_directory(directory)
+    """Check every record's header and page checksums, of one rank's store or of every
+    rank's under a server's --prefix-cache-disk DIR; exit 1 on any corruption."""
+    stores = rank_stores(directory)
+    if stores:
+        rep, ranks = verify_ranks(directory, stores)
+        out = verify_ranks_json(rep, ranks)
+    else:
+        rep, ranks = verify_directory(directory), {}
+        out = verify_json(rep)
     if as_json:
-        out = {"directory": rep.directory, "checked": rep.checked, "ok": rep.ok,
-               "corrupt": [list(c) for c in rep.corrupt]}
         click.echo(json.dumps(out, sort_keys=True))
     else:
-        click.echo(f"{rep.checked} records checked in {rep.directory}: "
-                   f"{'ok' if rep.ok else f'{len(rep.corrupt)} corrupt'}")
+        for r, rank in ranks.items():
+            click.echo(f"rank {r}: {_verdict(rank)}")
+        click.echo(_verdict(rep, f" ({len(ranks)} ranks)" if ranks else ""))
         for name, reason in rep.corrupt:
             click.echo(f"  {name}: {reason}", err=True)
     if not rep.ok:
         sys.exit(1)
+
+
+def _verdict(rep: VerifyReport, what: str = "") -> str:
+    return (f"{rep.checked} records checked in {rep.directory}{what}: "
+            f"{'ok' if rep.ok else f'{len(rep.corrupt)} corrupt'}")
 
 
 def _geometry(page_tokens: int) -> Any:

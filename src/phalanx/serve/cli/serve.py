@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
 from .params import BYTE_SIZE
+
+if TYPE_CHECKING:
+    from phalanx.serve.server import ServerConfig
 
 # Sizes of the embedded reference model (written on first use, same bytes everywhere).
 MODEL_SIZES = {
@@ -81,7 +85,7 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
     names a type to dequantize them to) over an
     OpenAI-compatible HTTP API, tensor-parallel across rank processes, with a prefix cache
     kept in memory and on disk (identical on every rank, alive across restarts)."""
-    from phalanx.serve.server import ServerConfig, run_server
+    from phalanx.serve.server import ServerConfig, default_cache_dir
 
     if tp < 1:
         raise click.BadParameter(f"{tp}: must be >= 1", param_hint="--tensor-parallel-size")
@@ -90,6 +94,9 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
     _check_device(device, tp, nnodes)
     if model_dir is not None:
         _check_model(model_dir, tp, None if dtype == "auto" else dtype, max_model_len)
+    disk = None if no_prefix_cache_disk else str(prefix_cache_disk or default_cache_dir())
+    if disk is not None:
+        _check_disk_dir(disk, _local_ranks(tp, nnodes, node_rank))
     cfg = ServerConfig(
         model=model_dir or _embedded(model_size), tensor_parallel_size=tp, host=host,
         port=port, api_key=api_key or None, served_model_name=served_model_name,
@@ -103,11 +110,85 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
         shutdown_timeout=shutdown_timeout,
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if nnodes > 1:
-        from phalanx.serve.multihost import JobSpec, serve_job
+    sys.exit(_run(cfg, disk, nnodes, node_rank, master_addr, master_port))
 
-        sys.exit(serve_job(cfg, JobSpec(nnodes, node_rank, master_addr, master_port)))
-    sys.exit(run_server(cfg))
+
+def _run(cfg: ServerConfig, disk: str | None, nnodes: int, node_rank: int,
+         master_addr: str, master_port: int) -> int:
+    """Serve; the exit status. A disk-tier directory that fails while the ranks open
+    their stores (changed since ``_check_disk_dir``) is the same one line, exit 2."""
+    from phalanx.serve import server
+
+    try:
+        if nnodes > 1:
+            from phalanx.serve.multihost import JobSpec, serve_job
+
+            return serve_job(cfg, JobSpec(nnodes, node_rank, master_addr, master_port))
+        return server.run_server(cfg)
+    except OSError as exc:
+        if disk is None or not _is_under(exc.filename, disk):
+            raise
+        _refuse_disk(exc.filename, exc)
+
+
+def _local_ranks(tp: int, nnodes: int, node_rank: int) -> range:
+    """The ranks this host runs: all of them, or its tp / nnodes on several hosts
+    (none when tp does not split: serve_job refuses that itself)."""
+    if tp % nnodes:
+        return range(0)
+    per_node = tp // nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def _check_disk_dir(directory: str, ranks: range) -> None:
+    """Refuse a disk-tier directory this host's ranks cannot write, in one line naming
+    the path and the errno, before any rank starts: a rank's store found it at open,
+    under a traceback of the rank's and the parent's (79 lines, the path in the last).
+    Creates DIR and DIR/rank-<i> (0700, as the store does) and writes a probe file in
+    each, since only a real write sees a read-only mount, an immutable directory or a
+    full disk (root passes ``os.access`` whatever the modes)."""
+    from phalanx.replication import rank_directories
+
+    paths = [directory, *(rank_directories(directory, ranks.stop)[r] for r in ranks)]
+    for path in paths:
+        try:
+            _probe_dir(path)
+        except OSError as exc:
+            _refuse_disk(path, exc)
+
+
+def _probe_dir(path: str) -> None:
+    """Create ``path`` if missing and prove a file can be created and removed in it.
+    The probe is named as the store's temp files are (``.*.tmp``): one left behind by
+    a kill is purged by the store's recovery."""
+    import errno
+    import tempfile
+
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:  # something that is not a directory is there
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+    fd, probe = tempfile.mkstemp(prefix=".phalanx-probe-", suffix=".tmp", dir=path)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _is_under(path: object, directory: str) -> bool:
+    if not isinstance(path, str):
+        return False
+    real, top = os.path.abspath(path), os.path.abspath(directory)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def _refuse_disk(path: str, exc: OSError) -> NoReturn:
+    """The command's one line for a disk-tier directory it cannot use; exit 2, as every
+    bad input of the command line."""
+    click.echo(f"phalanx serve: --prefix-cache-disk {path}: cannot write (errno "
+               f"{exc.errno}, {exc.strerror}): give a writable directory, or "
+               f"--no-prefix-cache-disk", err=True)
+    sys.exit(2)
 
 
 def _check_model(model: str, tp: int, dtype: str | None, max_model_len: int | None) -> None:
