@@ -533,6 +533,43 @@ def _serve_points(points: list[str], tmp: Path) -> Problems:
     return {point: p}
 
 
+def _api_points(points: list[str], tmp: Path) -> Problems:
+    """A large prompt's tokenization (off the event loop) faults: the request fails
+    naming the point, the next large one is tokenized. The HTTP app in this process."""
+    import asyncio
+
+    import httpx
+
+    from phalanx.engine.model.default_model import default_model_dir
+    from phalanx.serve.api.app import ServeSettings, build_app
+    from phalanx.serve.api.metrics import Metrics
+    from phalanx.serve.server import ServerConfig, _starter
+
+    (point,) = points
+    cfg = ServerConfig(tensor_parallel_size=1, prefix_cache_disk="", max_num_seqs=2)
+    driver = _starter(cfg, Path(default_model_dir()), "seeded")(lambda exc: None)
+    app = build_app(driver, ServeSettings("seeded"), Metrics("seeded"))
+    big = "word " * 10_000  # over the off-loop threshold
+
+    async def one() -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://sweep") as client:
+            r = await client.post("/tokenize", json={"prompt": big})
+            return r.status_code
+
+    try:
+        failpoints.arm(point, "raise*1")
+        p = _reached(point, None, _attempt(asyncio.run, one()))
+        failpoints.disarm_all()
+        status = asyncio.run(one())
+        if status != 200 or not driver.health().ok:
+            p.append(f"the next request got {status}, health {driver.health()}")
+    finally:
+        failpoints.disarm_all()
+        driver.close()
+    return {point: p}
+
+
 Scenario = Callable[[list[str], Path], Problems]
 
 # scenario -> (what drives it, the points it reaches, the rank each rank point is armed in)
@@ -560,6 +597,9 @@ COVERS: dict[str, tuple[Scenario, dict[str, int | None]]] = {
                                           "cache.replica.apply": 1}),
     "engine-lookup": (_engine_points, {"engine.disk.lookup": None}),
     "serve-admit": (_serve_points, {"serve.driver.admit": None}),
+    # the parent's own step code fails: that request's error, the engine serves on
+    "engine-encode": (_serve_points, {"engine.step.encode": None}),
+    "serve-tokenize": (_api_points, {"serve.api.tokenize": None}),
 }
 for _fn, _points in COVERS.values():
     RANK.update(_points)

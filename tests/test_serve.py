@@ -330,7 +330,9 @@ def psutil_alive(pid: int) -> bool:
 def test_a_killed_rank_fails_in_flight_requests_then_the_server_heals(
         model_home: Path, tmp_path: Path) -> None:
     prompt = pages_prompt(300, seed=4)
-    s = Server("--tp", "2", "--prefix-cache-disk", str(tmp_path), env=model_env(model_home))
+    # the restart's Worker start waits 6 s: a window in which to ask during the heal
+    s = Server("--tp", "2", "--prefix-cache-disk", str(tmp_path), env={
+        **model_env(model_home), "PHALANX_FAILPOINTS": "worker.start.ranks_spawned=delay:6@1"})
     try:
         warm = _post(s, "/v1/completions", {"prompt": prompt, "max_tokens": 4,
                                             "temperature": 0}).json()
@@ -348,6 +350,18 @@ def test_a_killed_rank_fails_in_flight_requests_then_the_server_heals(
             rest = "\n".join(lines)
         assert "rank" in rest and "error" in rest, rest[-500:]
         wait_for(lambda: s.health() == 503, 30, "/health to report the dead rank")
+        wait_for(lambda: "restarting" in httpx.get(s.url + "/health").json()["reason"], 30,
+                 "the heal to begin")
+        # during the heal every request is a 503 with Retry-After (issue 45: prompts
+        # were tokenized before the health check, and that was a 500)
+        for path, body in [("/v1/completions", {"prompt": "during the heal"}),
+                           ("/v1/chat/completions", {"messages": [
+                               {"role": "user", "content": "during the heal"}]}),
+                           ("/tokenize", {"prompt": "during the heal"})]:
+            healing = httpx.post(s.url + path, json=body, timeout=30)
+            assert healing.status_code == 503, healing.text
+            assert healing.headers["retry-after"], healing.headers
+            assert healing.json()["error"]["code"] == "engine_unavailable"
         wait_for(lambda: s.health() == 200, 180, "the server to restart its ranks")
         assert victim not in s.rank_pids().values()
         again = _post(s, "/v1/completions", {"prompt": prompt, "max_tokens": 4,

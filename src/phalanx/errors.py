@@ -65,7 +65,8 @@ cross a process boundary keep their type and fields (rank, point, missing ranks)
         ├── CheckpointError               a checkpoint unreadable or not fitting the config
         ├── EngineDeadError               a rank died or the engine closed: every request fails
         ├── RequestError                  one request refused or failed; the engine lives on
-        │   └── SamplingParamsError       invalid sampling parameters (ValueError)
+        │   ├── SamplingParamsError       invalid sampling parameters (ValueError)
+        │   └── StepFailedError           the parent's step code failed on this request
         └── SchedulerError                an invariant of the scheduler or page pool broke
 
 This module is the one place allowed to import the layers' private ``_errors`` modules
@@ -90,6 +91,7 @@ from phalanx.engine._errors import (
     RequestError,
     SamplingParamsError,
     SchedulerError,
+    StepFailedError,
 )
 from phalanx.kvstore._errors import (
     CacheError,
@@ -204,6 +206,7 @@ __all__ = [
     "SchedulerError",
     "ServiceExistsError",
     "ServiceNotFoundError",
+    "StepFailedError",
     "StoreClosedError",
     "StoreLockedError",
     "StoreWriteError",

@@ -6,7 +6,8 @@
         ├── CheckpointError       a checkpoint that cannot be read or does not fit the config
         ├── EngineDeadError       a rank died or the engine was closed: every request fails
         ├── RequestError          one request is refused or failed; the engine lives on
-        │   └── SamplingParamsError   invalid sampling parameters (a ValueError too)
+        │   ├── SamplingParamsError   invalid sampling parameters (a ValueError too)
+        │   └── StepFailedError       the parent's own step code failed for this request
         └── SchedulerError        an invariant of the scheduler or page pool was broken
 """
 
@@ -22,6 +23,7 @@ __all__ = [
     "RequestError",
     "SamplingParamsError",
     "SchedulerError",
+    "StepFailedError",
 ]
 
 
@@ -47,6 +49,12 @@ class RequestError(EngineError):
 
 class SamplingParamsError(RequestError, ValueError):
     """Sampling parameters out of range; the message names the field and value."""
+
+
+class StepFailedError(RequestError):
+    """The engine's own step code in the parent (encoding the plan) failed on this
+    request's part of a step: a bug, reported as this request's error; the step ran on
+    no rank and the engine serves on (issue 45)."""
 
 
 class SchedulerError(EngineError):

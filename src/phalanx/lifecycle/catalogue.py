@@ -90,10 +90,14 @@ POINTS: dict[str, dict[str, str]] = {
     "engine": {
         "engine.disk.lookup": "parent: the scheduler's disk tier lookup is about to ask "
                               "rank 0 for a prompt's pages",
+        "engine.step.encode": "parent: a scheduled step's plan is about to be encoded for "
+                              "the ranks (the engine's own step code)",
     },
     "serve": {
         "serve.driver.admit": "parent: a request passed its first admission check; its "
                               "stream is not yet registered with the engine thread",
+        "serve.api.tokenize": "parent: a large prompt is about to be tokenized or "
+                              "rendered off the event loop",
     },
 }
 

@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from phalanx.lifecycle.failpoints import Failpoint
 from .api.engine_client import Delta, Health
 from .api.errors import APIError
 
-__all__ = ["EngineDriver"]
+__all__ = ["EngineDriver", "RequestStream"]
 
 log = logging.getLogger("phalanx.serve")
 
@@ -75,16 +75,66 @@ class _Abort:
 _Command = _Add | _Abort
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Delta | BaseException]
-    submitted: float
-    sent_logprobs: int = 0
-    admitted: float | None = None   # when the engine thread handed it to the engine
-    first_sent: bool = False
-    unflushed: bool = False  # its first delta was delivered, not yet written out
-    closed: bool = False     # its iterator ended: nothing of it is written any more
+_CLOSED = object()  # put in a stream's queue by close(): wakes a pending pull
+
+
+class RequestStream:
+    """One engine request as the HTTP layer reads it: its deltas in order, then the end.
+
+    Not an async generator on purpose: closing one while another task waits on its
+    next delta (a merged response's pump, a gather of first deltas) must free its slot
+    and abort it at once, where an async generator's ``aclose`` raises "already
+    running" and the abort was lost (issue 45). ``close`` is synchronous, idempotent
+    and callable from any point of the event loop.
+    """
+
+    def __init__(self, driver: EngineDriver, request_id: str,
+                 loop: asyncio.AbstractEventLoop, submitted: float) -> None:
+        self._driver = driver
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[Delta | BaseException | object] = asyncio.Queue()
+        self.submitted = submitted
+        self.sent_logprobs = 0
+        self.admitted: float | None = None  # when the engine thread handed it to the engine
+        self.first_sent = False
+        self.unflushed = False  # its first delta was delivered, not yet written out
+        self.closed = False     # closed: nothing of it is written any more
+        self._pulled = False    # a delta was handed out (the next pull flushes it)
+        self._finished = False  # its final delta or error arrived
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._pulled:
+            # pulled again: the consumer wrote the previous delta out (a streamed
+            # response's chunk was sent before the next one is asked for)
+            self._driver._flushed(self)
+        if self._finished or self.closed:
+            self.close()
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is _CLOSED:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            self.close()
+            raise item
+        assert isinstance(item, Delta)
+        self._finished = item.finish_reason is not None
+        self._pulled = True
+        return item  # the final delta too: the slot is held until we are closed
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._driver._release(self, self._finished)
+        self.queue.put_nowait(_CLOSED)
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 class EngineDriver:
@@ -104,7 +154,7 @@ class EngineDriver:
         self._wake = threading.Event()
         # Invariant: a request id is in _streams from its submission until its final
         # delta (or an error) was handed to its queue.
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         # The admission slots (max_pending): a request holds one from its submission
         # until its iterator is closed, which the HTTP layer does when the response
         # ended or the client left -- not when the engine finished generating, so a
@@ -204,9 +254,20 @@ class EngineDriver:
             self._stats_taken = asked
             self._stats_cv.notify_all()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[Delta]:
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> RequestStream:
+        """One request (see :meth:`generate_many`)."""
+        (stream,) = self.generate_many([(request_id, prompt_token_ids, params)])
+        return stream
+
+    def generate_many(self, requests: Sequence[tuple[str, list[int], SamplingParams]]
+                      ) -> list[RequestStream]:
+        """Admit every request or none (issue 45: a list of 300 prompts once took 272
+        slots, got its 503 and never gave them back): each gets an admission slot and a
+        stream, or this raises -- ``EngineDeadError`` when the engine is dead or
+        stopping, a 503 ``APIError`` when the slots left are fewer than asked."""
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
         _ADMIT.hit()
         with self._lock:
             # under the lock _die and close take their snapshot of the streams in: a
@@ -215,35 +276,41 @@ class EngineDriver:
                 raise EngineDeadError(str(self._dead))
             if self._stopping:
                 raise EngineDeadError("the server is shutting down")
-            if len(self._slots) >= self.max_pending:
+            if len(self._slots) + len(requests) > self.max_pending:
                 raise APIError(503, f"the server is at capacity: {len(self._slots)} "
-                               f"requests in flight (limit {self.max_pending}); retry shortly",
+                               f"requests in flight, {len(requests)} more asked (limit "
+                               f"{self.max_pending}); retry shortly",
                                code="server_busy", retry_after=1)
-            self._slots.add(request_id)
-            self._streams[request_id] = stream
-        finished = False
-        try:
-            self._send(_Add(request_id, prompt_token_ids, params))
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item  # the final delta too: the slot is held until we are closed
-                # pulled again: the consumer wrote the previous delta out (a streamed
-                # response's chunk was sent before the next one is asked for)
-                self._flushed(stream)
-                if finished:
-                    return
-        finally:
-            self._flushed(stream, closed=True)
-            with self._lock:
-                self._slots.discard(request_id)
-            if not finished:  # the client went away (or the server stops): free its KV
-                self._send(_Abort(request_id))
+            streams = []
+            for rid, _, _ in requests:
+                stream = RequestStream(self, rid, loop, now)
+                self._slots.add(rid)
+                self._streams[rid] = stream
+                streams.append(stream)
+        for rid, prompt, params in requests:
+            self._send(_Add(rid, prompt, params))
+        return streams
 
-    def _flushed(self, stream: _Stream, closed: bool = False) -> None:
+    def _release(self, stream: RequestStream, finished: bool) -> None:
+        """A stream was closed: its slot is free; unless it finished, abort it."""
+        self._flushed(stream, closed=True)
+        with self._lock:
+            self._slots.discard(stream.request_id)
+        if not finished:  # the client went away (or the server stops): free its KV
+            self._send(_Abort(stream.request_id))
+
+    def fail_inflight(self, reason: str) -> int:
+        """End every request in flight now with ``EngineDeadError(reason)`` and abort it
+        (the server's shutdown deadline passed: its streams end with an error event,
+        not a cut connection). Returns how many there were."""
+        with self._lock:
+            streams = list(self._streams)
+        for rid in streams:
+            self._deliver(rid, EngineDeadError(reason), final=True)
+            self._send(_Abort(rid))
+        return len(streams)
+
+    def _flushed(self, stream: RequestStream, closed: bool = False) -> None:
         with self._flush_cv:
             stream.closed = stream.closed or closed
             if stream.unflushed:
@@ -308,7 +375,13 @@ class EngineDriver:
                     self._die(exc)
                     return
                 for out in outputs:
-                    self._dispatch(out)
+                    try:
+                        self._dispatch(out)
+                    except Exception as exc:  # this request's error, not the engine's
+                        log.exception("engine driver: request %s failed in its output",
+                                      out.request_id)
+                        self._deliver(out.request_id, exc, final=True)
+                        self.engine.abort(out.request_id)
                 if self.engine.dead is not None:
                     self._die(self.engine.dead)
                     return

@@ -8,7 +8,8 @@ the engine and its Worker are closed, and the process exits 0 leaving nothing be
 A dead engine with ``restart=False`` ends the process with exit status 1.
 
 ASGI stack: Starlette (routing, requests, streaming responses) on uvicorn (HTTP/1.1,
-signals, graceful shutdown); see docs/design.md for why.
+signals, graceful shutdown) with the deadlines of ``serve/http.py``; see
+docs/design.md for why.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class ServerConfig:
     max_restarts: int = 3
     shutdown_timeout: float = 30.0
     max_body_bytes: int = 4 << 20
+    header_timeout: float = 10.0             # a request's head must arrive within this
+    max_connections: int = 1024              # beyond: 503 (uvicorn's limit_concurrency)
 
 
 def _model_dir(cfg: ServerConfig) -> Path:
@@ -123,7 +126,7 @@ def run_server(cfg: ServerConfig, *, ready: Callable[[str], None] | None = None,
                hosts: Any = None) -> int:
     """Serve until a signal (exit 0) or a fatal engine death (exit 1). ``hosts``: node 0's
     :class:`~phalanx.hosts.MultiHostWorker` when the ranks span hosts (serve/multihost.py)."""
-    import uvicorn
+    from .http import HttpServer
 
     model_dir = _model_dir(cfg)
     name = cfg.served_model_name or _served_name(model_dir)
@@ -138,7 +141,8 @@ def run_server(cfg: ServerConfig, *, ready: Callable[[str], None] | None = None,
             host, port = sock.getsockname()[:2]
             metrics = Metrics(name)
             settings = ServeSettings(served_model_name=name, api_key=cfg.api_key,
-                                     max_body_bytes=cfg.max_body_bytes)
+                                     max_body_bytes=cfg.max_body_bytes,
+                                     max_prompts=cfg.max_num_seqs + cfg.max_waiting)
             line = _ready_line(f"http://{host}:{port}", name, cfg, supervisor)
 
             @asynccontextmanager
@@ -147,9 +151,10 @@ def run_server(cfg: ServerConfig, *, ready: Callable[[str], None] | None = None,
                 yield
 
             app = build_app(supervisor, settings, metrics, lifespan=lifespan)
-            state.server = uvicorn.Server(uvicorn.Config(
-                app, log_level="warning", access_log=False, lifespan="on",
-                timeout_graceful_shutdown=int(cfg.shutdown_timeout)))
+            state.server = HttpServer(
+                app, header_timeout=cfg.header_timeout, max_connections=cfg.max_connections,
+                shutdown_timeout=cfg.shutdown_timeout,
+                fail_inflight=supervisor.fail_inflight)
             if not state.stop_requested:
                 state.server.run(sockets=[sock])
             sock.close()

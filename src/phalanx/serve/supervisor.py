@@ -16,14 +16,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from phalanx.engine import SamplingParams
 from phalanx.errors import EngineDeadError
 
-from .api.engine_client import Delta, Health
-from .driver import EngineDriver
+from .api.engine_client import Health
+from .driver import EngineDriver, RequestStream
 
 __all__ = ["Supervisor"]
 
@@ -81,9 +81,13 @@ class Supervisor:
     def token_text(self, token_id: int) -> str:
         return self.driver.token_text(token_id)
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[Delta]:
-        return self.driver.generate(request_id, prompt_token_ids, params)
+    def generate_many(self, requests: Sequence[tuple[str, list[int], SamplingParams]]
+                      ) -> list[RequestStream]:
+        return self.driver.generate_many(requests)
+
+    def fail_inflight(self, reason: str) -> int:
+        d = self._driver
+        return d.fail_inflight(reason) if d is not None else 0
 
     def health(self) -> Health:
         if self._fatal is not None:

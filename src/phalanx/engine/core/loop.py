@@ -9,9 +9,13 @@ stop token ids, stop strings, ``max_tokens`` and the context decide whether it e
 
 A rank that dies during a step fails every request in flight with an
 :class:`EngineDeadError` naming the rank, and poisons the loop: later calls raise the
-same error; :meth:`EngineLoop.close` still releases everything. Which parts it drives
-is the composition's business (``engine/engine.py``'s ``Engine``): this module knows
-none of the implementations.
+same error; :meth:`EngineLoop.close` still releases everything. A failure of the
+parent's own step code before the plan leaves (encoding it) is not a rank's death: the
+step ran nowhere, the scheduler undoes it, and the requests it blames end with a
+:class:`StepFailedError` while the engine serves on (issue 45: a client's ``seed`` of
+2**64 once failed the encoding, killed the engine and spent its restart budget).
+Which parts it drives is the composition's business (``engine/engine.py``'s
+``Engine``): this module knows none of the implementations.
 """
 
 from __future__ import annotations
@@ -21,16 +25,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from .._errors import EngineDeadError, RequestError, SchedulerError
+from phalanx.lifecycle.failpoints import Failpoint
+
+from .._errors import EngineDeadError, RequestError, SchedulerError, StepFailedError
 from .connector import ConnectorStats, KVConnector
 from .executor import Executor
 from .outputs import CompletionOutput, IncrementalDetokenizer, Logprob, RequestOutput
-from .plan import decode_result, encode_plan
+from .plan import StepPlan, decode_result, encode_plan
 from .sampling import SamplingParams, StopChecker
 from .scheduler import Sampled, Scheduler
 from .sequence import FinishReason, Seq
 
 __all__ = ["EngineLoop", "EngineStats", "TokenizerLike"]
+
+_ENCODE = Failpoint("engine.step.encode")
 
 
 class TokenizerLike(Protocol):
@@ -242,9 +250,14 @@ class EngineLoop:
                     f"{self.scheduler.pool.num_free})")
             return outs
         try:
+            _ENCODE.hit()
+            payload = encode_plan(plan)
+        except Exception as exc:  # noqa: BLE001  the parent's own code: the requests' error
+            return outs + self._fail_step(plan, exc)
+        try:
             # the ranks read the step's disk pages themselves, under rank 0's leases
             disk = self.connector.loads(plan) if self.connector is not None else None
-            raw = self.executor.execute(encode_plan(plan), disk)
+            raw = self.executor.execute(payload, disk)
         except Exception as exc:  # noqa: BLE001  any failure of a step kills the engine
             return outs + self._die(exc, f"during step {plan.step}")
         result = decode_result(raw)
@@ -252,6 +265,25 @@ class EngineLoop:
             self.connector.load_failed(plan, result.load_failures)  # the step ran nowhere
         for s in self.scheduler.update(result):
             outs.append(self._advance(s))
+        return outs
+
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
+        """The plan never left the parent: undo the step (as after a failed disk load)
+        and end the requests whose own part does not encode -- all of the step's when
+        none fails alone. The others run again at the next step."""
+        blamed = {c.seq_id for c in plan.chunks if not _encodes(plan.step, c)}
+        blamed = blamed or {c.seq_id for c in plan.chunks}
+        outs = []
+        for seq in self.scheduler.undo_step():
+            if seq.seq_id not in blamed:
+                continue
+            req = self._by_seq[seq.seq_id]
+            req.error = StepFailedError(
+                f"engine: step {plan.step} could not be sent to the ranks for request "
+                f"{req.request_id!r}: {type(exc).__name__}: {exc} (a bug in the engine's "
+                f"step code; the step ran on no rank and the engine serves on)")
+            req.error.__cause__ = exc
+            outs.append(self._finish(req, FinishReason.ERROR))
         return outs
 
     def _die(self, exc: BaseException, when: str, who: str | None = None
@@ -346,3 +378,12 @@ class EngineLoop:
                 self.connector.close(self._close_timeout, healthy=self._dead is None)
         finally:
             self.executor.close(timeout=self._close_timeout)
+
+
+def _encodes(step: int, chunk: Any) -> bool:
+    """Whether one sequence's part of a plan encodes on its own."""
+    try:
+        encode_plan(StepPlan(step, [chunk]))
+    except Exception:  # noqa: BLE001  the answer, not an error
+        return False
+    return True

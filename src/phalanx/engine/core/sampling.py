@@ -14,6 +14,10 @@ __all__ = ["GREEDY_EPS", "SamplingParams", "StopChecker"]
 
 GREEDY_EPS = 1e-5          # temperatures below this are greedy, as in vLLM
 MAX_LOGPROBS = 20           # the top alternatives a request may ask for
+# A step plan carries seed and top_k as msgpack integers (64 bits): a value outside
+# these ranges would fail the plan's encoding, the engine's own step code (issue 45).
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+TOP_K_MAX = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,15 @@ class SamplingParams:
             raise bad("temperature", self.temperature, "must be a finite number >= 0")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise bad("top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "must be an int >= 1, or -1 / 0 for no limit")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) \
+                or not -1 <= self.top_k <= TOP_K_MAX:
+            raise bad("top_k", self.top_k,
+                      f"must be an int in [1, {TOP_K_MAX}], or -1 / 0 for no limit")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
         ):
-            raise bad("seed", self.seed, "must be an int or None")
+            raise bad("seed", self.seed, "must be None or an int in [-2**63, 2**63 - 1]")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
             or self.max_tokens < 1

@@ -378,7 +378,7 @@ class Scheduler:
                 f"{'in flight' if scheduled is not None else 'not in flight'}"
             )
         if result.load_failures:
-            self._undo_loads(scheduled)
+            self.undo_step()
             return []
         pt = self.config.page_tokens
         out: list[Sampled] = []
@@ -410,10 +410,14 @@ class Scheduler:
             self._check([])
         return out
 
-    def _undo_loads(self, scheduled: list[_Scheduled]) -> None:
-        """The step in flight ran on no rank (a disk load failed on one): see the module
-        docstring. Its loaded pages are forgotten, and every sequence is cut back to its
-        pages before the first one the step loaded (or allocated for it)."""
+    def undo_step(self) -> list[Seq]:
+        """The step in flight ran on no rank (a disk load failed on one, or the parent
+        could not encode its plan): see the module docstring. Its loaded pages are
+        forgotten, and every sequence is cut back to its pages before the first one the
+        step loaded (or allocated for it). Returns the step's sequences."""
+        scheduled = self._inflight
+        if scheduled is None:
+            raise SchedulerError(f"undo of step {self._step}, which is not in flight")
         pt = self.config.page_tokens
         tainted = {p for s in scheduled for p in s.load_pages}
         for p in tainted:
@@ -438,6 +442,7 @@ class Scheduler:
         self._inflight = None
         if self.config.check_invariants:
             self._check([])
+        return [s.seq for s in scheduled]
 
     def fail_inflight(self) -> list[Seq]:
         """Drop the step in flight (the ranks failed it); returns every live sequence."""

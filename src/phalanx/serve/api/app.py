@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.applications import Starlette
@@ -25,12 +25,14 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phalanx.engine import SamplingParams
-from phalanx.errors import EngineError, RequestError
+from phalanx.errors import EngineError, RequestError, StepFailedError
+from phalanx.lifecycle.failpoints import Failpoint
 
 from . import responses as rsp
 from .engine_client import EngineClient
 from .errors import APIError, error_body
 from .metrics import Metrics
+from .openapi import openapi_document
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,7 +44,16 @@ from .streams import Choices
 
 __all__ = ["ServeSettings", "build_app"]
 
+_T = TypeVar("_T")
+
 log = logging.getLogger("phalanx.serve")
+
+# Text longer than this is tokenized (and chat messages rendered) on a thread, not on
+# the event loop: a prompt just under the body limit took 3.7 s, during which nothing
+# else, /health included, was answered (issue 45). Shorter text costs less than the
+# thread hop (~50 us).
+_LARGE_TEXT = 32 << 10
+_TOKENIZE = Failpoint("serve.api.tokenize")
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,7 @@ class ServeSettings:
     served_model_name: str
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
+    max_prompts: int = 256   # prompts in one request: the server's admission slots
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -65,7 +77,7 @@ class _Guard:
     """ASGI middleware: API key (constant-time compare) and the body size limit (413),
     both before a route reads anything."""
 
-    _OPEN = ("/health", "/metrics")
+    _OPEN = ("/health", "/metrics", "/openapi.json")
 
     def __init__(self, app: ASGIApp, settings: ServeSettings) -> None:
         self.app = app
@@ -114,6 +126,8 @@ class _Api:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        self._openapi = openapi_document(settings.served_model_name,
+                                         settings.api_key is not None)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -144,20 +158,40 @@ class _Api:
             max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs)
 
-    async def _start(self, prompts: list[list[int]], params: list[SamplingParams],
-                     rid: str) -> Choices:
+    def _check_serving(self) -> None:
+        """A 503 with Retry-After before any work while the engine is down or healing."""
         health = self.engine.health()
         if not health.ok:
             raise APIError(503, f"the engine is not serving: {health.reason}",
                            code="engine_unavailable", retry_after=5)
-        streams = [self.engine.generate(f"{rid}-{i}", p, sp)
-                   for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+
+    async def _off_loop(self, size: int, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` (tokenizing, rendering): on a thread when ``size`` (characters
+        of text) is large, so the event loop keeps answering everyone else."""
+        if size <= _LARGE_TEXT:
+            return fn(*args)
+
+        def run() -> _T:
+            _TOKENIZE.hit()
+            return fn(*args)
+
+        return await asyncio.to_thread(run)
+
+    async def _start(self, prompts: list[list[int]], params: list[SamplingParams],
+                     rid: str) -> Choices:
+        self._check_serving()
+        streams = self.engine.generate_many(
+            [(f"{rid}-{i}", p, sp)
+             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
         choices = Choices(streams, self.metrics)
         try:
             await choices.start()
         except EngineError as exc:
             raise _engine_error(exc) from exc
         return choices
+
+    def _tokenize_all(self, texts: list[str]) -> list[list[int]]:
+        return [self.engine.tokenize(t) for t in texts]
 
     # -- routes -----------------------------------------------------------------------
 
@@ -174,6 +208,9 @@ class _Api:
                         media_type="application/json",
                         headers={} if h.ok else {"Retry-After": "5"})
 
+    async def openapi(self, request: Request) -> Response:
+        return _json(self._openapi)
+
     async def metrics_route(self, request: Request) -> Response:
         stats = await asyncio.to_thread(self.engine.stats)  # may ask the ranks: off the loop
         body, content_type = self.metrics.render(stats)
@@ -182,24 +219,37 @@ class _Api:
     async def tokenize(self, request: Request) -> Response:
         req = decode_request(await request.body(), TokenizeRequest)
         self._check_model(req.model)
+        self._check_serving()
         if req.messages is not None:
-            ids = self.engine.chat_prompt(_messages(req.messages))
+            messages = _messages(req.messages)
+            ids = await self._off_loop(_chars(messages), self.engine.chat_prompt, messages)
         else:
             assert req.prompt is not None
-            ids = self.engine.tokenize(req.prompt, req.add_special_tokens)
+            ids = await self._off_loop(len(req.prompt), self.engine.tokenize, req.prompt,
+                                       req.add_special_tokens)
         return _json({"tokens": ids, "count": len(ids), "max_model_len":
                       self.engine.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
         req = decode_request(await request.body(), DetokenizeRequest)
         self._check_model(req.model)
-        return _json({"prompt": self.engine.detokenize(req.tokens)})
+        self._check_serving()
+        text = await self._off_loop(len(req.tokens), self.engine.detokenize, req.tokens)
+        return _json({"prompt": text})
 
     async def completions(self, request: Request) -> Response:
         req = decode_request(await request.body(), CompletionRequest)
         self._check_model(req.model)
-        prompts = [self.engine.tokenize(p) if isinstance(p, str) else p
-                   for p in req.prompts()]
+        given = req.prompts()
+        if len(given) > self.settings.max_prompts:
+            raise APIError(400, f"the prompt is a list of {len(given)} prompts; this server "
+                           f"admits at most {self.settings.max_prompts} at once (its "
+                           f"--max-num-seqs plus --max-waiting): send fewer per request",
+                           param="prompt", code="too_many_prompts")
+        self._check_serving()
+        texts = [p for p in given if isinstance(p, str)]
+        encoded = iter(await self._off_loop(sum(map(len, texts)), self._tokenize_all, texts))
+        prompts = [next(encoded) if isinstance(p, str) else p for p in given]
         params = [self._params(req, self._budget(len(p), req.max_tokens, "max_tokens"),
                                req.logprobs) for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -228,7 +278,9 @@ class _Api:
     async def chat(self, request: Request) -> Response:
         req = decode_request(await request.body(), ChatCompletionRequest)
         self._check_model(req.model)
-        prompt = self.engine.chat_prompt(_messages(req.messages))
+        self._check_serving()
+        messages = _messages(req.messages)
+        prompt = await self._off_loop(_chars(messages), self.engine.chat_prompt, messages)
         param = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -268,11 +320,17 @@ def _messages(messages: list[Any]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
 
 
+def _chars(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"]) for m in messages)
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
 def _engine_error(exc: EngineError) -> APIError:
+    if isinstance(exc, StepFailedError):  # the engine's own code failed on it: a bug
+        return APIError(500, f"{exc}; please report it", code="step_failed")
     if isinstance(exc, RequestError):  # this request was refused; the engine lives on
         return APIError(400, str(exc), code="invalid_request")
     return APIError(503, f"the engine failed this request: {exc}", code="engine_unavailable",
@@ -292,15 +350,16 @@ async def _collect(choices: Choices, n: int, request: Request) -> list[rsp.Choic
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task not in done:  # the client went away: abort the engine requests
-            task.cancel()
-            await choices.aclose()
             raise APIError(499, "the client closed the connection")
         try:
             task.result()
         except EngineError as exc:
             raise _engine_error(exc) from exc
-    finally:
-        watcher.cancel()
+    finally:  # every exit (an error, a disconnect, a cancel) aborts what is left
+        for t in (task, watcher):
+            t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+        await choices.aclose()
     return states
 
 
@@ -311,19 +370,36 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _stream(events: AsyncIterator[bytes], choices: Choices) -> StreamingResponse:
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in events:
-                yield chunk
-        except EngineError as exc:  # mid-stream: the status is sent; say it in the stream
-            err = _engine_error(exc)
-            yield b"data: " + err.body() + b"\n\n"
-        finally:
-            await choices.aclose()
+class _ChoicesResponse(StreamingResponse):
+    """A streamed answer that closes its choices on every exit: the body ran out, the
+    client went away before or during it, the server cancelled it. (A body generator
+    that never started never runs its own ``finally``.)"""
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    def __init__(self, events: AsyncIterator[bytes], choices: Choices) -> None:
+        super().__init__(_events_or_error(events), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.choices = choices
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.choices.aclose()
+
+
+async def _events_or_error(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The events; a failure mid-stream (the status is sent) is said in the stream as
+    an error event, then ``[DONE]``, so a client never sees a stream simply cut."""
+    try:
+        async for chunk in events:
+            yield chunk
+    except EngineError as exc:
+        yield b"data: " + _engine_error(exc).body() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
+def _stream(events: AsyncIterator[bytes], choices: Choices) -> StreamingResponse:
+    return _ChoicesResponse(events, choices)
 
 
 def build_app(engine: EngineClient, settings: ServeSettings, metrics: Metrics, *,
@@ -338,12 +414,19 @@ def build_app(engine: EngineClient, settings: ServeSettings, metrics: Metrics, *
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
+        Route("/openapi.json", api.openapi, methods=["GET"]),
     ]
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
         metrics.client_error(exc.status)
         return _error(exc)
+
+    async def on_engine_error(request: Request, exc: Exception) -> Response:
+        # an engine state met outside a request's stream (its tokenizer while the
+        # engine heals, ...): 503 + Retry-After, never the bug handler's 500
+        assert isinstance(exc, EngineError)
+        return await on_api_error(request, _engine_error(exc))
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -354,11 +437,13 @@ def build_app(engine: EngineClient, settings: ServeSettings, metrics: Metrics, *
 
     async def on_bug(request: Request, exc: Exception) -> Response:
         log.exception("bug while serving %s %s", request.method, request.url.path)
-        return Response(error_body(f"internal error ({type(exc).__name__}); this is a bug "
-                                   f"in phalanx, please report it", "server_error", None,
-                                   None), status_code=500, media_type="application/json")
+        what = f"{type(exc).__name__}: {exc}"[:300]
+        return Response(error_body(f"internal error ({what}); this is a bug in phalanx, "
+                                   f"please report it", "server_error", None, None),
+                        status_code=500, media_type="application/json")
 
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-        APIError: on_api_error, HTTPException: on_http_error, Exception: on_bug}
+        APIError: on_api_error, EngineError: on_engine_error, HTTPException: on_http_error,
+        Exception: on_bug}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     return _Guard(app, settings)

@@ -2,8 +2,8 @@
 
 The server never reaches into the engine; it submits a request (token ids and sampling
 parameters) and iterates its deltas, aborts it when the client goes away, and asks
-whether the engine is healthy. :mod:`phalanx.serve.engine_adapter` implements it on
-:class:`phalanx.engine.Engine`.
+whether the engine is healthy. :mod:`phalanx.serve.driver` implements it on
+:class:`phalanx.engine.Engine`, and :mod:`phalanx.serve.supervisor` over that.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Delta", "EngineClient", "Health"]
+__all__ = ["Delta", "EngineClient", "Health", "RequestDeltas"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,15 @@ class Health:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
+class RequestDeltas(Protocol):
+    """One submitted request: its deltas, then the end; ``close`` (any time, from the
+    event loop, idempotent) frees its slot and aborts it unless it finished."""
+
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+    def close(self) -> None: ...
+
+
 class EngineClient(Protocol):
     model_name: str
     max_model_len: int
@@ -60,11 +69,17 @@ class EngineClient(Protocol):
         """One token's text, for logprobs (``tokens`` and ``top_logprobs`` keys)."""
         ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: Any) -> AsyncIterator[Delta]:
-        """Submit and stream; raises ``EngineBusyError`` (queue full, a 503) before the
-        first delta, ``EngineDeadError`` if the engine dies (a 503 too). Closing the
-        iterator early aborts the request and frees its KV."""
+    def generate_many(self, requests: Sequence[tuple[str, list[int], Any]]
+                      ) -> Sequence[RequestDeltas]:
+        """Submit ``(request id, prompt token ids, sampling params)`` each, all or none:
+        raises a 503 ``APIError`` (too few admission slots left) or ``EngineDeadError``
+        (a 503 too) and admits nothing, or returns one stream per request. A stream
+        raises ``EngineDeadError`` if the engine dies; closing it early aborts its
+        request and frees its KV."""
+        ...
+
+    def fail_inflight(self, reason: str) -> int:
+        """End every request in flight with ``EngineDeadError(reason)`` (shutdown)."""
         ...
 
     def health(self) -> Health: ...

@@ -3,6 +3,11 @@
 Fields follow OpenAI's order and names, plus the extensions vLLM's server accepts
 (``top_k``, ``stop_token_ids``, ``ignore_eos``). Unknown fields are ignored (clients
 send them); a wrong type or an out-of-range value is a 400 naming the field.
+
+Every number is bounded here, where it enters (issue 45): a value that passed these
+structs can be encoded into a step plan (msgpack: 64-bit integers) and computed with,
+so no client value can fail the engine's own step code. ``seed`` is a signed 64-bit
+integer (as vLLM and torch take it), token ids and counts fit 31 bits.
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ MAX_LOGPROBS = 20
 
 T = TypeVar("T", bound=msgspec.Struct)
 
+INT31 = (1 << 31) - 1      # token ids, counts and top_k: far beyond any vocabulary
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, msgspec.Meta(ge=-1)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT31)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=INT31)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT31)]
+Seed = Annotated[int, msgspec.Meta(ge=SEED_MIN, le=SEED_MAX)]
 LogprobCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -49,7 +58,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: PositiveInt | None = None
     n: PositiveInt = 1
     presence_penalty: Penalty = 0.0
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -197,6 +206,9 @@ def decode_request(body: bytes, kind: type[T]) -> T:
         raise APIError(400, f"invalid request: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's own depth guard (issue 45: 200,000 '[' were a 500)
+        raise APIError(400, "the request body is nested too deeply: JSON arrays and "
+                       "objects may nest fewer than 1,000 levels deep") from None
     check = getattr(request, "check", None)
     if check is not None:
         check()

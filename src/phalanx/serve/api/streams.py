@@ -5,7 +5,10 @@ each); their deltas are merged as they come. The first delta of every choice is 
 *before* the response starts, so an early error (the queue is full, the engine died)
 still gets a real status code rather than an error inside a 200 stream. Closing the
 merged stream (the client went away, or the response ended) closes every engine
-iterator, which aborts what is still running and frees its KV at the next step.
+stream, which aborts what is still running and frees its KV at the next step. When
+one choice fails before the response starts, the pulls of the others are cancelled
+and every stream is closed (issue 45: ``asyncio.gather`` left its siblings running
+and their aborts were lost).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from .engine_client import Delta
+from .engine_client import Delta, RequestDeltas
 from .metrics import Metrics
 
 __all__ = ["Choices"]
@@ -48,7 +51,7 @@ class _Timing:
 class Choices:
     """The engine streams of one HTTP request, one per choice, started eagerly."""
 
-    def __init__(self, streams: Sequence[AsyncIterator[Delta]], metrics: Metrics) -> None:
+    def __init__(self, streams: Sequence[RequestDeltas], metrics: Metrics) -> None:
         self._streams = list(streams)
         self._first: list[Delta | None] = [None] * len(streams)
         self._closed = False
@@ -69,9 +72,13 @@ class Choices:
     async def start(self) -> None:
         """Pull each choice's first delta; raises what the engine raised (before any byte
         of the response is sent). On failure every stream is closed."""
+        pulls = [asyncio.ensure_future(anext(aiter(s))) for s in self._streams]
         try:
-            firsts = await asyncio.gather(*(anext(s) for s in self._streams))
+            firsts = await asyncio.gather(*pulls)
         except BaseException:
+            for p in pulls:
+                p.cancel()
+            await asyncio.gather(*pulls, return_exceptions=True)
             await self.aclose()
             raise
         self._first = list(firsts)
@@ -83,7 +90,7 @@ class Choices:
         """(choice index, delta) in arrival order, first deltas first."""
         queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
 
-        async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+        async def pump(i: int, stream: RequestDeltas) -> None:
             try:
                 async for d in stream:
                     await queue.put((i, d))
@@ -124,7 +131,4 @@ class Choices:
             return
         self._closed = True
         for s in self._streams:
-            closer = getattr(s, "aclose", None)
-            if closer is not None:
-                with contextlib.suppress(Exception):
-                    await closer()
+            s.close()

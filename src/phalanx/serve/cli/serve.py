@@ -65,6 +65,11 @@ def _embedded(size: str) -> str:
               help="exit non-zero when a rank dies instead of restarting the ranks")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
               help="seconds in-flight requests get at SIGTERM")
+@click.option("--header-timeout", default=10.0, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="seconds a connection has to send a request's headers (then 408)")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
+              help="open connections; requests beyond them are answered 503")
 @click.option("--nnodes", default=1, show_default=True, type=click.IntRange(1),
               help="hosts the ranks span (each runs tp / nnodes ranks)")
 @click.option("--node-rank", default=0, show_default=True, type=click.IntRange(0),
@@ -78,7 +83,8 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
           kv_cache_size: int,
           prefix_cache_disk: str | None, prefix_cache_disk_size: int,
           prefix_cache_max_age: float | None, no_prefix_cache_disk: bool, model_size: str,
-          no_restart: bool, shutdown_timeout: float, nnodes: int, node_rank: int,
+          no_restart: bool, shutdown_timeout: float, header_timeout: float,
+          max_connections: int, nnodes: int, node_rank: int,
           master_addr: str, master_port: int) -> None:
     """Serve MODEL_DIR (a Hugging Face checkpoint directory or a GGUF file; the embedded
     model by default; a GGUF file's Q4_0/Q4_1/Q8_0 weights stay quantized unless --dtype
@@ -107,7 +113,8 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
         prefix_cache_disk="" if no_prefix_cache_disk else prefix_cache_disk,
         prefix_cache_disk_bytes=prefix_cache_disk_size,
         prefix_cache_max_age=prefix_cache_max_age, restart=not no_restart,
-        shutdown_timeout=shutdown_timeout,
+        shutdown_timeout=shutdown_timeout, header_timeout=header_timeout,
+        max_connections=max_connections,
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.exit(_run(cfg, disk, nnodes, node_rank, master_addr, master_port))
