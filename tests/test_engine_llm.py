@@ -244,7 +244,7 @@ def test_a_killed_rank_fails_every_request_and_poisons(model_dir: Path) -> None:
         errors = []
         for i, out in enumerate(stream):
             if i == 2:
-                llm.engine.executor.worker.arm_failpoint("rank.task.received", "kill", ranks=[1])
+                llm.engine.executor.worker.arm_failpoint("engine.rank.step", "kill", ranks=[1])
             if out.finished:
                 errors.append(out)
         assert len(errors) == 2

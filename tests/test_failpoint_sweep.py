@@ -501,6 +501,25 @@ def _engine_points(points: list[str], tmp: Path) -> Problems:
     return {point: p}
 
 
+def _rank_step_points(points: list[str], tmp: Path) -> Problems:
+    """A rank faults on a step it read from the step channel: the step fails naming the
+    point and the rank, the engine is dead (a rank's step failure is its death), and it
+    closes cleanly, leaving nothing."""
+    from phalanx.engine import LLM, SamplingParams
+    from phalanx.engine.model.default_model import default_model_dir
+
+    (point,) = points
+    rank = RANK[point]
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    with LLM(default_model_dir(), tensor_parallel_size=2) as llm:
+        llm.generate("before", sp)
+        llm.engine.executor.worker.arm_failpoint(point, "raise*1", ranks=[rank])
+        p = _reached(point, rank, _attempt(llm.generate, "faulted", sp))
+        if llm.engine.dead is None:
+            p.append("the engine serves on after a rank failed a step")
+    return {point: p}
+
+
 def _serve_points(points: list[str], tmp: Path) -> Problems:
     """A request faults at admission: it fails naming the point, the next is served."""
     import asyncio
@@ -599,6 +618,7 @@ COVERS: dict[str, tuple[Scenario, dict[str, int | None]]] = {
     "serve-admit": (_serve_points, {"serve.driver.admit": None}),
     # the parent's own step code fails: that request's error, the engine serves on
     "engine-encode": (_serve_points, {"engine.step.encode": None}),
+    "engine-rank-step": (_rank_step_points, {"engine.rank.step": 1}),
     "serve-tokenize": (_api_points, {"serve.api.tokenize": None}),
 }
 for _fn, _points in COVERS.values():

@@ -92,6 +92,8 @@ POINTS: dict[str, dict[str, str]] = {
                               "rank 0 for a prompt's pages",
         "engine.step.encode": "parent: a scheduled step's plan is about to be encoded for "
                               "the ranks (the engine's own step code)",
+        "engine.rank.step": "rank: a step message was read from the step channel; it is "
+                            "about to run",
     },
     "serve": {
         "serve.driver.admit": "parent: a request passed its first admission check; its "
@@ -101,7 +103,7 @@ POINTS: dict[str, dict[str, str]] = {
     },
 }
 
-#: The layers bottom to top, as in DESIGN.md "Layers" (kvstore and rendezvous are peers).
+#: The layers bottom to top, as in docs/architecture.md "Layers" (kvstore and rendezvous are peers).
 LAYERS = tuple(POINTS)
 
 _LAYER_OF = {name: layer for layer, points in POINTS.items() for name in points}

@@ -79,7 +79,8 @@ class ExecutorBase:
         if not lost:
             return None
         why = self._why_lost()
-        return f"rank(s) {lost} of {self.tp} died" + (f": {why}" if why else "")
+        names = ", ".join(f"rank {r}" for r in lost)
+        return f"{names} of {self.tp} died" + (f": {why}" if why else "")
 
     def _why_lost(self) -> str | None:
         """Why the job lost ranks, where it knows (a lost host); None here."""

@@ -1,6 +1,8 @@
 """The executor of an engine whose TP ranks are on this host: :class:`RankGroup`, a
-Worker whose one long-lived run holds the TP domain and every rank's runner, and serves
-one step plan at a time.
+Worker whose one long-lived run holds the TP domain, every rank's runner and its step
+loop. Steps never ride the run: they go through the step channel
+(``worker/step_channel.py``), the data plane; the run is the control plane (start, the
+disk tier's lookups on rank 0, close).
 
 On CPU the ranks reduce over phalanx's shared-memory domain. On CUDA
 (``worker/devices.py``) they form a torch.distributed group instead (NCCL, or gloo
@@ -28,7 +30,8 @@ from .._errors import EngineDeadError, EngineError
 from ..core.executor import RankMemory
 from .devices import DevicePlan
 from .executor import TP_WINDOW, ExecutorBase
-from .rank import CLOSE_WAIT_S, DistArgs, close_rank, execute_rank, open_local_rank
+from .rank import CLOSE_WAIT_S, DistArgs, close_rank, open_local_rank, serve_steps
+from .step_channel import StepChannel, StepMessage, channel_name
 
 __all__ = ["RankGroup", "rank_env"]
 
@@ -38,12 +41,9 @@ T = TypeVar("T")
 _ids = itertools.count(1)
 
 
-@dataclass(frozen=True)
-class _Step:
-    """One encoded step plan for every rank, with its disk loads."""
-
-    plan: bytes
-    disk: Any
+# the step loops are tasks of the engine's whole life: no deadline of their own (each
+# step has one, in the channel)
+_LOOP_TIMEOUT_S = 10.0 ** 9
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class _OnRank0:
     args: tuple[Any, ...]
 
 
-_Job = tuple[_Step | _OnRank0, concurrent.futures.Future[Any]]
+_Job = tuple[_OnRank0, concurrent.futures.Future[Any]]
 
 
 def rank_env() -> dict[str, str]:
@@ -82,11 +82,12 @@ def _local_store(timeout: float) -> Any:
 
 
 class RankGroup(ExecutorBase):
-    """The TP ranks: one long-lived run holds the domain and the runners, serving steps.
+    """The TP ranks: one long-lived run holds the domain, the runners and their step
+    loops; steps go through the step channel.
 
-    :meth:`execute` hands one encoded plan to the run's thread, which submits it to every
-    rank and returns rank 0's encoded result. A failure (a dead rank, a failed task) is
-    raised to the caller and ends the run: the group is then dead.
+    :meth:`execute` writes one encoded plan into the channel and returns rank 0's
+    encoded result. A failure (a dead rank, a failed step) is raised to the caller and
+    makes the group dead: its run ends and :meth:`close` releases everything.
 
     ``devices``: each rank's device and the communicator (engine/worker/devices.py); None: on
     CPU over the shared-memory domain.
@@ -112,6 +113,10 @@ class RankGroup(ExecutorBase):
         # queued after the drain would otherwise wait out the backstop (issue 34).
         self._jobs_lock = threading.Lock()
         self._refusing: BaseException | None = None
+        self._channel: StepChannel | None = None
+        self._loops: list[Any] = []
+        # held by a step in flight: the channel is unmapped only when none is
+        self._step_lock = threading.Lock()
         super().__init__(tp, Worker(ranks=tp, task_timeout=step_timeout,
                                     start_timeout=start_timeout, env=rank_env()))
         try:
@@ -143,29 +148,17 @@ class RankGroup(ExecutorBase):
                              disk_staging, self._dist_args(r)) for r in o.ranks]
             mem = [f.result() for f in futs]
             opened = True
+            self._start_loops(o)
             self._opened.set_result(mem)
             while True:
                 job = self._jobs.get()
                 if job is None:
                     break
                 what, fut = job
-                if isinstance(what, _OnRank0):
-                    try:
-                        fut.set_result(o.submit(0, what.fn, *what.args).result())
-                    except Exception as exc:  # noqa: BLE001  handed to the caller
-                        fut.set_exception(exc)
-                    continue
                 try:
-                    outs = [o.submit(r, execute_rank, self.runner_id, what.plan, what.disk)
-                            for r in o.ranks]
-                    first = outs[0].result()
-                    for f in outs[1:]:
-                        f.result()
-                except BaseException as exc:
-                    self.dead = exc
+                    fut.set_result(o.submit(0, what.fn, *what.args).result())
+                except Exception as exc:  # noqa: BLE001  handed to the caller
                     fut.set_exception(exc)
-                    raise
-                fut.set_result(first)
         except BaseException as exc:
             self.dead = self.dead or exc
             if not self._opened.done():
@@ -173,10 +166,59 @@ class RankGroup(ExecutorBase):
             raise
         finally:  # what is queued fails now, and what comes later at once
             self._stop_taking(self.dead or EngineDeadError("the engine's ranks were closed"))
+            self._stop_loops()
             if opened:
                 self._close_runners(o)
             if domain is not None:
                 o.release_domain(domain)
+
+    def _start_loops(self, o: Any) -> None:
+        """The channel, and every rank's step loop on it; its name goes once every loop
+        has mapped it."""
+        tp = len(o.ranks)
+        self._channel = StepChannel(channel_name(self.worker.generation, self.runner_id), tp)
+        self._loops = [o.options(timeout=_LOOP_TIMEOUT_S).submit(
+            r, serve_steps, self.runner_id, self._channel.name, tp) for r in o.ranks]
+        self._channel.hello(self._start_timeout, self._check_ranks)
+
+    def _stop_loops(self) -> None:
+        """End the step loops (each answers STOP, or is gone) and drop the channel."""
+        with self._jobs_lock:
+            channel, self._channel = self._channel, None
+        if channel is None:
+            return
+        # a step in flight sees the refusal at its next wait slice and ends
+        if not self._step_lock.acquire(timeout=self._step_timeout):
+            log.warning("engine: a step still runs after %g s; its channel stays mapped",
+                        self._step_timeout)
+            return
+        try:
+            channel.stop()
+            for f in self._loops:
+                if self.dead is None:
+                    f.result()
+                else:  # after a failure a loop may be gone with its rank: not awaited
+                    f.exception(timeout=CLOSE_WAIT_S)
+        except Exception as exc:  # noqa: BLE001  the close reports it; the runners still close
+            log.warning("engine: a rank's step loop ended with %r", exc)
+            self.dead = self.dead or exc
+        finally:
+            self._loops = []
+            channel.close()
+            self._step_lock.release()
+
+    def _check_ranks(self) -> None:
+        """Between a step's wait slices: every rank alive and its loop still running,
+        and the group not closing."""
+        if self._refusing is not None:
+            raise self._refusing
+        for r, f in enumerate(self._loops):  # a dead rank's loop fails saying how it died
+            if f.done():
+                raise EngineDeadError(f"engine: rank {r}'s step loop ended: "
+                                      f"{f.exception() or 'without an error'}")
+        lost = self.lost_ranks()
+        if lost:
+            raise EngineDeadError(f"engine: {lost}")
 
     def _close_runners(self, o: Any) -> None:
         # The runners map the domain's windows: they must be gone before the domain's
@@ -216,24 +258,36 @@ class RankGroup(ExecutorBase):
 
     def execute(self, plan: bytes, loads: object | None = None) -> bytes:
         """Run one encoded plan on every rank (``loads``: its disk loads); rank 0's
-        encoded result."""
-        return bytes(self._submit(_Step(plan, loads)))
+        encoded result. Through the step channel, on the caller's thread."""
+        with self._quiet.call():
+            with self._jobs_lock:
+                refused = self.dead or self._refusing
+                channel = self._channel
+            if refused is not None:
+                raise refused
+            if channel is None:
+                raise EngineDeadError("the engine's ranks were closed")
+            disk = cast(Any, loads)
+            with self._step_lock:
+                try:
+                    return channel.step(StepMessage(plan, disk), self._step_timeout,
+                                        self._check_ranks)
+                except BaseException as exc:
+                    self.dead = self.dead or exc
+                    raise
 
     def on_rank0(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` as a task on rank 0, through the run that serves the steps (no
+        """``fn(*args)`` as a task on rank 0, through the run that holds the ranks (no
         run of its own to start): the disk tier's lookups."""
-        return cast(T, self._submit(_OnRank0(fn, args)))
-
-    def _submit(self, what: _Step | _OnRank0) -> Any:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._quiet.call():
             with self._jobs_lock:
                 refused = self.dead or self._refusing
                 if refused is not None:
                     raise refused
-                self._jobs.put((what, fut))
-            # the tasks carry the step deadline; this one only backs it up
-            return fut.result(timeout=self._step_timeout * 2 + 30)
+                self._jobs.put((_OnRank0(fn, args), fut))
+            # the task carries the step deadline; this one only backs it up
+            return cast(T, fut.result(timeout=self._step_timeout * 2 + 30))
 
     def on_each_rank(self, fn: Callable[..., T], *args: Any, timeout: float
                      ) -> dict[int, T | BaseException]:

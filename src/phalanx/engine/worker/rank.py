@@ -16,6 +16,7 @@ from typing import Any
 
 from phalanx.comm import view_of
 from phalanx.hosts.dist import destroy, join_group
+from phalanx.lifecycle.failpoints import Failpoint
 
 from .._errors import EngineError
 from ..core.executor import RankMemory
@@ -25,7 +26,7 @@ from ..disk.staging import attach_staging, expect_loads
 from ..model.parallel import SoloComm, TPComm
 
 __all__ = ["CLOSE_WAIT_S", "DistArgs", "close_rank", "execute_rank", "open_host_rank",
-           "open_local_rank", "tiered_comm"]
+           "open_local_rank", "serve_steps", "tiered_comm"]
 
 # a rank's place in the local torch.distributed group: (store port, key prefix, rank,
 # world, timeout, backend)
@@ -126,6 +127,8 @@ def tiered_comm(world_group: Any, per_node: int, alloc_id: int, name: str) -> An
                           TorchDistComm(groups[world.rank % per_node]), world)
 
 
+_STEP = Failpoint("engine.rank.step")
+
 # A rank's runner is used by one step at a time; closing it waits for the step in
 # progress (after a peer died, rank 0's step ends at its next barrier) so the runner's
 # views of the TP domain's windows are gone before the domain is released.
@@ -160,6 +163,39 @@ def execute_rank(runner_id: str, plan: bytes, disk: DiskLoads | None = None) -> 
     if failed is not None:
         raise EngineError(f"rank {rank}: step failed: {failed}")
     return encode_result(result) if rank == 0 else None
+
+
+def serve_steps(runner_id: str, channel: str, tp: int) -> int:
+    """This rank's step loop on one host (the data plane, ``worker/step_channel.py``):
+    every step message is run with :func:`execute_rank` and answered through the
+    channel, a failed step with its error (the loop serves on: the parent decides).
+    Ends at STOP, or when the parent is gone; returns the steps it served."""
+    from .runner import get_runner
+    from .step_channel import Kind, RankEnd
+
+    rank = get_runner(runner_id).comm.rank
+    end = RankEnd(channel, rank, tp)
+    parent = os.getppid()
+    served = 0
+    try:
+        while True:
+            kind, seq, message = end.next(lambda: os.getppid() == parent)
+            if kind is Kind.STOP:
+                return served
+            if message is None:  # HELLO: mapped
+                end.answer(seq)
+                continue
+            try:
+                _STEP.hit()
+                result = execute_rank(runner_id, message.plan, message.disk)
+            except Exception as exc:  # noqa: BLE001  answered: the parent fails the step
+                end.answer(seq, error=str(exc) if isinstance(exc, EngineError) else
+                           f"rank {rank}: step failed: {type(exc).__name__}: {exc}")
+                continue
+            end.answer(seq, result=result)
+            served += 1
+    finally:
+        end.close()
 
 
 def close_rank(runner_id: str, leave_group: bool = False) -> None:
