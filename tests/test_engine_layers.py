@@ -210,7 +210,7 @@ def test_function_local_imports_only_keep_torch_lazy() -> None:
 
 
 def test_the_engine_imports_without_torch() -> None:
-    """The package and its parent-side modules load without torch (DESIGN.md)."""
+    """The package and its parent-side modules load without torch (docs/architecture.md)."""
     for name in ("phalanx.engine", "phalanx.engine.engine", "phalanx.engine.llm",
                  "phalanx.engine.core.loop", "phalanx.engine.worker.local",
                  "phalanx.engine.worker.rank", "phalanx.engine.multihost.executor",

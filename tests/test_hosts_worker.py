@@ -167,7 +167,7 @@ def test_a_killed_head_stops_every_other_host(tmp_path: Path) -> None:
 
 
 def test_the_recovered_chain_incident_across_three_hosts(tmp_path: Path) -> None:
-    """DESIGN.md's incident (a recovered cache whose every record needs maintenance) with
+    """docs/architecture.md's incident (a recovered cache whose every record needs maintenance) with
     each rank on a host of its own: the throttled burst crosses the veth links, completes,
     and leaves every host's directory identical."""
     from replication_util import assert_identical, dir_bytes, synth

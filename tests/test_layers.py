@@ -1,4 +1,4 @@
-"""The layering of DESIGN.md "Layers", pinned by reading every module's imports.
+"""The layering of docs/architecture.md "Layers", pinned by reading every module's imports.
 
 Every ``import`` and ``from ... import`` of every module under src/ is parsed with
 ``ast``, those inside functions (lazy imports) and under ``TYPE_CHECKING`` included, as
@@ -209,7 +209,7 @@ def test_every_package_has_a_layer() -> None:
 def test_no_new_layering_violation() -> None:
     new = sorted(violations() - set(ALLOWED))
     assert not new, (
-        "layering violations (DESIGN.md, Layers): export what is needed publicly from the "
+        "layering violations (docs/architecture.md, Layers): export what is needed publicly from the "
         "lower layer, or move the code:\n  " + "\n  ".join(new))
 
 

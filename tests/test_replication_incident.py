@@ -1,4 +1,4 @@
-"""The DESIGN.md incident ("A recovered cache stops the server"), reproduced and fixed:
+"""The docs/architecture.md incident ("A recovered cache stops the server"), reproduced and fixed:
 3 ranks restarted on directories where every record needs maintenance at start-up.
 The burst of jobs is a stream throttled by the peers' windows; it must complete with
 no error and leave every rank's directory identical."""

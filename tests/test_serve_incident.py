@@ -1,4 +1,4 @@
-"""The DESIGN.md incident end to end, through the server: directories a TP 3 job left
+"""The docs/architecture.md incident end to end, through the server: directories a TP 3 job left
 (a 2,000-record chain, 7 of every 8 rows redundant) reopened by ``phalanx serve --tp 3``
 past ``--prefix-cache-max-age``, and again with a tenth of the capacity. Each time the
 server starts, answers completions while its maintenance runs, and every rank's

@@ -4,7 +4,7 @@ The public surface is declared in ``__all__`` and pinned by tests/test_public_ap
 as is each layer's (``phalanx.runtime``, ``phalanx.comm``, ``phalanx.kvstore``, ...).
 Every error phalanx raises is in :mod:`phalanx.errors`, which draws the whole tree;
 every failpoint is in :mod:`phalanx.lifecycle.catalogue`, known once this package is
-imported. The layers and who may import whom: DESIGN.md "Layers", tests/test_layers.py.
+imported. The layers and who may import whom: docs/architecture.md "Layers", tests/test_layers.py.
 """
 
 from __future__ import annotations

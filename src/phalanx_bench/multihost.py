@@ -160,7 +160,7 @@ def _replication_template(ctx: Ctx) -> tuple[Path, int]:
 
 
 def _replication_jobs_per_s(ctx: Ctx, side: str) -> dict[str, float]:
-    """DESIGN.md's recovered-chain burst (every record needs maintenance, capacity a
+    """docs/architecture.md's recovered-chain burst (every record needs maintenance, capacity a
     tenth of the records): across the 3 hosts (each rank's shard on its host, the
     replication links over the veth pairs) or with the 3 ranks on one host."""
     import shutil

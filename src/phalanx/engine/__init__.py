@@ -1,4 +1,4 @@
-"""The engine layer (see DESIGN.md, Layers): step plans, sampling, the KV page pool, the
+"""The engine layer (see docs/architecture.md, Layers): step plans, sampling, the KV page pool, the
 scheduler, the parent-side engine loop and ``LLM``.
 
 Importing this package does not import torch: the modules that need it (the model, the

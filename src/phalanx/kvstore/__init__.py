@@ -1,4 +1,4 @@
-"""The kvstore layer: one rank's persistent prefix-cache store (see DESIGN.md, Layers).
+"""The kvstore layer: one rank's persistent prefix-cache store (see docs/architecture.md, Layers).
 
 :class:`DiskStore` keeps a record per stored span of pages in one directory: recovered
 at open, capped, aged and compacted by ``poll()`` in bounded bursts, audited by

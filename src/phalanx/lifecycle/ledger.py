@@ -1,6 +1,6 @@
 """The resource ledger: every resource has one owner, dependencies, a state, one release.
 
-Contracts it keeps (DESIGN.md, "Contracts"):
+Contracts it keeps (docs/architecture.md, "Contracts"):
 
 * **Owner at birth.** :meth:`Ledger.acquiring` records an entry (``ACQUIRING``) *before*
   the resource is created; the caller publishes it with :meth:`Entry.live` right after

@@ -1,4 +1,4 @@
-"""The replication layer: rank 0 decides, every rank mirrors (see DESIGN.md, Layers).
+"""The replication layer: rank 0 decides, every rank mirrors (see docs/architecture.md, Layers).
 
 Each rank keeps its own shard of every cached prefix in its own :class:`DiskStore`
 (``phalanx.kvstore``); rank 0 decides every record operation and replicates it to its

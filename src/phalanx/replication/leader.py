@@ -12,7 +12,7 @@ Two lanes share each link's window:
   queues then lands behind the request's op on every link).
 * maintenance lane (``poll``/``maintain``): decides jobs from the Scheduler only while
   every link has room beyond ``reserve`` credits, so a burst of any size is a stream
-  throttled by the slowest peer, never a flood of queued frames (the DESIGN.md
+  throttled by the slowest peer, never a flood of queued frames (the docs/architecture.md
   incident: regression test
   ``test_replication_incident.py::test_recovered_chain_needs_maintenance_everywhere``),
   and a store arriving mid-burst finds at most ``window - reserve`` ops ahead of it.

@@ -4,7 +4,7 @@ Flow control, not failure. At most ``window`` ops are in flight (sent, not acked
 rest wait in ``pending``, whose size is bounded by what the deciders put there: the
 maintenance lane only decides a job while every link has room (leader.py), so pending
 only ever holds request-lane ops and the evictions one store needed. A full window is
-"wait", never "broken" (the incident in DESIGN.md; regression test
+"wait", never "broken" (the incident in docs/architecture.md; regression test
 ``test_replication_incident.py::test_recovered_chain_needs_maintenance_everywhere``).
 
 Real faults fail, once, with one error that every waiter sees: the connection closed
