@@ -209,8 +209,8 @@ def test_every_package_has_a_layer() -> None:
 def test_no_new_layering_violation() -> None:
     new = sorted(violations() - set(ALLOWED))
     assert not new, (
-        "layering violations (docs/architecture.md, Layers): export what is needed publicly from the "
-        "lower layer, or move the code:\n  " + "\n  ".join(new))
+        "layering violations (docs/architecture.md, Layers): export what is needed "
+        "publicly from the lower layer, or move the code:\n  " + "\n  ".join(new))
 
 
 def test_allowed_violations_still_exist() -> None:

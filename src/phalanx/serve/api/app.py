@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API on Starlette: routes, one error mapping, auth.
 
-Thin by design (docs/architecture.md, Style 11): decode and validate the request, turn it into token ids
-and sampling parameters, run it on the engine, shape the answer. Per-request errors
-(4xx) are apart from engine death (503); 500 is only for a bug.
+Thin by design (docs/architecture.md, Style 11): decode and validate the request, turn
+it into token ids and sampling parameters, run it on the engine, shape the answer.
+Per-request errors (4xx) are apart from engine death (503); 500 is only for a bug.
 """
 
 from __future__ import annotations
