@@ -8,7 +8,7 @@ runner, sampling's ``sample``) import it when they run.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .core.outputs import CompletionOutput, Logprob, RequestOutput
+from .core.outputs import CompletionOutput, Logprob, RequestOutput, StepDelta
 from .core.plan import (
     PageLoad,
     PageSave,
@@ -59,6 +59,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SeqChunk",
+    "StepDelta",
     "StepPlan",
     "StepResult",
     "TokenLogprobs",

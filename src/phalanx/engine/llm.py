@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from ._errors import RequestError
-from .core.outputs import RequestOutput
+from .core.outputs import OutputBuilder, RequestOutput
 from .core.sampling import SamplingParams
 from .core.scheduler import PrefixTier
 from .engine import Engine, EngineConfig, TokenizerLike
@@ -120,11 +120,11 @@ class LLM:
             f"a prompt is a string or {{'prompt_token_ids': [...]}}, not {type(prompt).__name__}"
         )
 
-    def generate_stream(
-        self, prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> Generator[RequestOutput, None, None]:
-        """Yield every request's cumulative output after each step that advanced it."""
+    @staticmethod
+    def _requests(prompts: PromptType | Sequence[PromptType],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                  ) -> tuple[list[PromptType], list[SamplingParams]]:
+        """The prompts as a list, with one sampling params each."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         plist = list(prompts)
@@ -138,24 +138,42 @@ class LLM:
                 raise RequestError(
                     f"{len(params)} sampling params for {len(plist)} prompts"
                 )
+        return plist, params
+
+    def generate_stream(
+        self, prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Generator[RequestOutput, None, None]:
+        """Yield every request's cumulative output after each step that advanced it."""
+        plist, params = self._requests(prompts, sampling_params)
         prepared = [self._prepare(p) for p in plist]
+        yield from self._run(prepared, params, every_step=True)
+
+    def _run(self, prepared: list[tuple[list[int], str | None]],
+             params: list[SamplingParams], every_step: bool
+             ) -> Generator[RequestOutput, None, None]:
+        """Submit, step, and build each request's output from the engine's deltas:
+        after every step that advanced it (``every_step``), else once when it ends."""
         if not self._busy.acquire(blocking=False):
             raise RequestError("this LLM is already generating (one generate at a time)")
-        added: list[str] = []
+        live: dict[str, OutputBuilder] = {}
         try:
             for (ids, text), sp in zip(prepared, params, strict=True):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, sp, prompt=text)
-                added.append(rid)
-            live = set(added)
+                self.engine.add_request(rid, ids, sp)
+                live[rid] = OutputBuilder(rid, text, ids, sp.logprobs is not None)
             while live:
-                for out in self.engine.step():
-                    if out.request_id in live:
-                        if out.finished:
-                            live.discard(out.request_id)
-                        yield out
+                for delta in self.engine.step():
+                    builder = live.get(delta.request_id)
+                    if builder is None:
+                        continue
+                    builder.add(delta)
+                    if delta.finished:
+                        del live[delta.request_id]
+                    if every_step or delta.finished:
+                        yield builder.output()
         finally:
-            for rid in added:
+            for rid in live:
                 self.engine.abort(rid)
             self._busy.release()
 
@@ -164,10 +182,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """One finished output per prompt, in order. A dead engine raises EngineDeadError."""
-        final: dict[str, RequestOutput] = {}
-        for out in self.generate_stream(prompts, sampling_params):
-            if out.finished:
-                final[out.request_id] = out
+        plist, params = self._requests(prompts, sampling_params)
+        prepared = [self._prepare(p) for p in plist]
+        final = {out.request_id: out for out in self._run(prepared, params, every_step=False)}
         ordered = [final[k] for k in sorted(final, key=int)]
         for o in ordered:
             if o.error is not None:

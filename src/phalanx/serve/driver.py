@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from phalanx.engine import Engine, RequestOutput, SamplingParams
+from phalanx.engine import Engine, SamplingParams
+from phalanx.engine.core.outputs import StepDelta
 from phalanx.engine.model.tokenizer import Tokenizer
 from phalanx.errors import EngineDeadError
 from phalanx.lifecycle.failpoints import Failpoint
@@ -95,7 +96,6 @@ class RequestStream:
         self.loop = loop
         self.queue: asyncio.Queue[Delta | BaseException | object] = asyncio.Queue()
         self.submitted = submitted
-        self.sent_logprobs = 0
         self.admitted: float | None = None  # when the engine thread handed it to the engine
         self.first_sent = False
         self.unflushed = False  # its first delta was delivered, not yet written out
@@ -398,23 +398,19 @@ class EngineDriver:
                     self._die(EngineDeadError(f"engine: {lost}"))
                     return
 
-    def _dispatch(self, out: RequestOutput) -> None:
-        comp = out.outputs[0]
+    def _dispatch(self, out: StepDelta) -> None:
+        """One request's step delta, as the HTTP layer's Delta, to its stream."""
         with self._lock:
             stream = self._streams.get(out.request_id)
         if out.error is not None:
             self._deliver(out.request_id, out.error, final=True)
             return
         logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
-        if comp.logprobs is not None and stream is not None:
-            new = comp.logprobs[stream.sent_logprobs:]
-            stream.sent_logprobs = len(comp.logprobs)
-            for tok, entry in zip(comp.token_ids[-len(new):] if new else [], new, strict=True):
-                chosen = entry[tok].logprob
-                top = sorted(((t, lp.logprob) for t, lp in entry.items() if lp.rank),
-                             key=lambda x: -x[1])
-                logprobs.append((tok, chosen, top))
-        reason = comp.finish_reason
+        for tok, entry in zip(out.token_ids, out.logprobs or [], strict=False):
+            top = sorted(((t, lp.logprob) for t, lp in entry.items() if lp.rank),
+                         key=lambda x: -x[1])
+            logprobs.append((tok, entry[tok].logprob, top))
+        reason = out.finish_reason
         if reason == "abort":
             reason = "stop"
         queue_time = None
@@ -426,12 +422,11 @@ class EngineDriver:
                     self._unflushed += 1
             if stream.admitted is not None:
                 queue_time = stream.admitted - stream.submitted
-        delta = Delta(token_ids=list(comp.delta_token_ids), text=comp.delta_text,
-                      logprobs=logprobs, finish_reason=reason,
-                      prompt_tokens=len(out.prompt_token_ids),
+        delta = Delta(token_ids=out.token_ids, text=out.text, logprobs=logprobs,
+                      finish_reason=reason, prompt_tokens=out.num_prompt_tokens,
                       cached_memory=out.cached_tokens_memory,
                       cached_disk=out.cached_tokens_disk,
-                      output_tokens=len(comp.token_ids), queue_time=queue_time)
+                      output_tokens=out.num_output_tokens, queue_time=queue_time)
         self._deliver(out.request_id, delta, final=out.finished)
 
     def _die(self, exc: BaseException) -> None:

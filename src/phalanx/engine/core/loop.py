@@ -6,6 +6,8 @@ a :class:`~phalanx.engine.core.connector.KVConnector`. :meth:`EngineLoop.step` r
 step: the scheduler's plan is encoded once and sent to every rank, rank 0's sampled
 tokens come back, and each request is advanced: incremental detokenization, then EOS,
 stop token ids, stop strings, ``max_tokens`` and the context decide whether it ends.
+A step returns one :class:`~phalanx.engine.core.outputs.StepDelta` per request it
+advanced or ended: what the step added, never the history (issue 43).
 
 A rank that dies during a step fails every request in flight with an
 :class:`EngineDeadError` naming the rank, and poisons the loop: later calls raise the
@@ -30,7 +32,7 @@ from phalanx.lifecycle.failpoints import Failpoint
 from .._errors import EngineDeadError, RequestError, SchedulerError, StepFailedError
 from .connector import ConnectorStats, KVConnector
 from .executor import Executor
-from .outputs import CompletionOutput, IncrementalDetokenizer, Logprob, RequestOutput
+from .outputs import IncrementalDetokenizer, Logprob, StepDelta
 from .plan import StepPlan, decode_result, encode_plan
 from .sampling import SamplingParams, StopChecker
 from .scheduler import Sampled, Scheduler
@@ -86,21 +88,20 @@ _DISK_METRICS = {f: f"disk_tier_{f}" for f in (
 
 
 class _Request:
-    __slots__ = ("cum_logprob", "detok", "error", "logprobs", "output", "prompt",
-                 "request_id", "sent", "seq", "stop")
+    """What the loop keeps of a request between steps: its sequence, its detokenizer
+    and stop checker, and how much of its text was reported."""
 
-    def __init__(self, request_id: str, prompt: str | None, seq: Seq,
+    __slots__ = ("detok", "error", "output", "request_id", "sent", "seq", "stop")
+
+    def __init__(self, request_id: str, seq: Seq,
                  decode: Callable[[list[int]], str] | None) -> None:
         self.request_id = request_id
-        self.prompt = prompt
         self.seq = seq
         p = seq.params
         self.detok = IncrementalDetokenizer(decode, seq.prompt_tokens) if decode else None
         self.stop = StopChecker(p.stop_strings, p.include_stop_str_in_output)
-        self.logprobs: list[dict[int, Logprob]] | None = [] if p.logprobs is not None else None
-        self.cum_logprob: float | None = 0.0 if p.logprobs is not None else None
-        self.output = ""
-        self.sent = 0          # characters of output already streamed
+        self.output = ""       # the text so far (stop strings are searched in it)
+        self.sent = 0          # characters of it already reported
         self.error: BaseException | None = None
 
 
@@ -131,12 +132,12 @@ class EngineLoop:
     # -- requests ---------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, prompt: str | None = None) -> None:
+                    params: SamplingParams) -> None:
         with self._step_lock:
-            self._add(request_id, prompt_token_ids, params, prompt)
+            self._add(request_id, prompt_token_ids, params)
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             prompt: str | None) -> None:
+    def _add(self, request_id: str, prompt_token_ids: list[int],
+             params: SamplingParams) -> None:
         self._check_alive()
         if request_id in self._requests:
             raise RequestError(f"request {request_id!r} is already running")
@@ -153,7 +154,7 @@ class EngineLoop:
 
             def decode(ids: list[int]) -> str:
                 return tok.decode(ids, skip_special_tokens=skip)
-        req = _Request(request_id, prompt, seq, decode)
+        req = _Request(request_id, seq, decode)
         self.scheduler.add(seq)
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
@@ -223,12 +224,12 @@ class EngineLoop:
 
     # -- one step ---------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that advanced or ended."""
+    def step(self) -> list[StepDelta]:
+        """Run one step; returns what it added to every request it advanced or ended."""
         with self._step_lock:
             return self._step()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[StepDelta]:
         self._check_alive()
         try:
             plan, aborted = self.scheduler.schedule()
@@ -267,7 +268,7 @@ class EngineLoop:
             outs.append(self._advance(s))
         return outs
 
-    def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> list[StepDelta]:
         """The plan never left the parent: undo the step (as after a failed disk load)
         and end the requests whose own part does not encode -- all of the step's when
         none fails alone. The others run again at the next step."""
@@ -287,7 +288,7 @@ class EngineLoop:
         return outs
 
     def _die(self, exc: BaseException, when: str, who: str | None = None
-             ) -> list[RequestOutput]:
+             ) -> list[StepDelta]:
         if who is None:
             rank = getattr(exc, "rank", None)
             who = f"rank {rank}" if rank is not None else "a rank"
@@ -301,16 +302,15 @@ class EngineLoop:
             outs.append(self._finish(req, FinishReason.ERROR))
         return outs
 
-    def _advance(self, s: Sampled) -> RequestOutput:
+    def _advance(self, s: Sampled) -> StepDelta:
         req = self._by_seq[s.seq.seq_id]
         seq, p, tok = s.seq, s.seq.params, s.token
-        if req.logprobs is not None and s.logprobs is not None:
+        logprobs: list[dict[int, Logprob]] | None = None
+        if p.logprobs is not None and s.logprobs is not None:
             entry = {c: Logprob(lp, rank=i + 1) for i, (c, lp) in enumerate(s.logprobs.top)}
             if tok not in entry:
                 entry[tok] = Logprob(s.logprobs.logprob, rank=None)
-            req.logprobs.append(entry)
-            if req.cum_logprob is not None:
-                req.cum_logprob += s.logprobs.logprob
+            logprobs = [entry]
         reason: FinishReason | None = None
         if p.stop_token_ids and tok in p.stop_token_ids:
             reason, seq.stop_reason = FinishReason.STOP, tok
@@ -330,39 +330,32 @@ class EngineLoop:
         if reason is None and len(seq) >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
-            return self._finish(req, reason, delta_tokens=[tok])
-        return self._output(req, delta_tokens=[tok])
+            return self._finish(req, reason, [tok], logprobs)
+        return self._delta(req, [tok], logprobs)
 
-    def _finish(self, req: _Request, reason: FinishReason,
-                delta_tokens: list[int] | None = None) -> RequestOutput:
+    def _finish(self, req: _Request, reason: FinishReason, tokens: list[int] | None = None,
+                logprobs: list[dict[int, Logprob]] | None = None) -> StepDelta:
         self.scheduler.finish(req.seq, reason)
         self._requests.pop(req.request_id, None)
         self._by_seq.pop(req.seq.seq_id, None)
-        return self._output(req, delta_tokens=delta_tokens)
+        return self._delta(req, tokens or [], logprobs)
 
-    def _output(self, req: _Request, delta_tokens: list[int] | None) -> RequestOutput:
+    def _delta(self, req: _Request, tokens: list[int],
+               logprobs: list[dict[int, Logprob]] | None) -> StepDelta:
         seq = req.seq
         fr = seq.finish_reason.value if seq.finish_reason is not None else None
         text = req.output
         if fr is None and req.stop:
             # hold back what may be the start of a stop string
             text = text[: max(0, len(text) - req.stop.holdback)]
-        delta = text[req.sent :]
+        delta = text[req.sent:]
         req.sent = max(req.sent, len(text))
-        comp = CompletionOutput(
-            index=0, text=text, token_ids=list(seq.output_tokens),
-            cumulative_logprob=req.cum_logprob,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            finish_reason=fr, stop_reason=seq.stop_reason,
-            delta_text=delta,
-            delta_token_ids=list(delta_tokens or []),
-        )
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt,
-            prompt_token_ids=list(seq.prompt_tokens), outputs=[comp], finished=fr is not None,
-            num_cached_tokens=seq.cached_tokens, cached_tokens_memory=seq.cached_memory,
-            cached_tokens_disk=seq.cached_disk, error=req.error,
-        )
+        return StepDelta(
+            request_id=req.request_id, token_ids=tokens, text=delta,
+            logprobs=logprobs if seq.params.logprobs is not None else None,
+            num_prompt_tokens=len(seq.prompt_tokens), num_output_tokens=seq.num_output,
+            cached_tokens_memory=seq.cached_memory, cached_tokens_disk=seq.cached_disk,
+            finish_reason=fr, stop_reason=seq.stop_reason, error=req.error)
 
     def close(self) -> None:
         """Fail what is left, stop the ranks and release everything (idempotent)."""
