@@ -24,6 +24,7 @@ from ..core.plan import decode_plan, encode_result
 from ..disk.rank0 import DiskLoads, release_leases
 from ..disk.staging import attach_staging, expect_loads
 from ..model.parallel import SoloComm, TPComm
+from .step_channel import Kind, RankEnd
 
 __all__ = ["CLOSE_WAIT_S", "DistArgs", "close_rank", "execute_rank", "open_host_rank",
            "open_local_rank", "serve_steps", "tiered_comm"]
@@ -171,7 +172,6 @@ def serve_steps(runner_id: str, channel: str, tp: int) -> int:
     channel, a failed step with its error (the loop serves on: the parent decides).
     Ends at STOP, or when the parent is gone; returns the steps it served."""
     from .runner import get_runner
-    from .step_channel import Kind, RankEnd
 
     rank = get_runner(runner_id).comm.rank
     end = RankEnd(channel, rank, tp)
