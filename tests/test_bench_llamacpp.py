@@ -63,3 +63,6 @@ def test_both_servers_measured_on_the_same_file() -> None:
     assert lc["tokens"]["cache_hit"]["cached_tokens"] > 0
     assert set(r["goals"]) == {"throughput_1x", "restart_ttft_10x", "decode_b1_0.7x"}
     assert r["setup"]["threads"] >= 1 and r["setup"]["tp"] == 1
+    # the CPU the numbers hold for (issue 43)
+    assert isinstance(r["cpu"]["model"], str) and r["cpu"]["model"]
+    assert r["cpu"]["amx"] in (True, False, None)

@@ -31,11 +31,23 @@ Cases, each over ``--reps`` prompts of their own (medians), greedy with EOS igno
 
 Prompts are text (seeded token ids of the file's own tokenizer, decoded), so each
 server tokenizes them itself; ``prompt_tokens`` reports what each counted.
+
+Before anything is measured, llama-server is started once and asked for a few tokens
+(and again after each of its starts): a build can pass its health check and die at its
+first compute (SIGSEGV in ggml's AMX backend on an Intel Xeon, llama.cpp issue #20824,
+issue 43), and a run would otherwise spend minutes on phalanx's side and then fail on
+a bare connection error. ``AnchorBroken`` names the binary, how it ended, its last output
+and what to do. The result records the CPU (``cpu``: model and AMX, from
+``phalanx_bench.machine``) and prints it as the table's header: the anchor's numbers,
+and BENCHMARKS.md's tables, hold for that CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -49,7 +61,8 @@ from phalanx.serve.cli import BYTE_SIZE
 
 from ._errors import BenchError
 from ._stats import emit, median
-from .llamacpp_build import server_path
+from .llamacpp_build import build_dir, server_path
+from .machine import cpu
 from .real_model import fetch
 from .serve import (
     PHALANX_EXTRA,
@@ -93,8 +106,61 @@ def _group_memory_mb(pgid: int) -> dict[str, float]:
     return {"pss": round(pss / 1024, 1), "rss": round(rss / 1024, 1)}
 
 
+class AnchorBroken(BenchError):
+    """llama-server started but cannot answer a completion: there is nothing to measure."""
+
+
+def _ended(rc: int | None) -> str:
+    if rc is None:
+        return "it is still running"
+    if rc < 0:
+        try:
+            return f"it was killed by {signal.Signals(-rc).name} (signal {-rc})"
+        except ValueError:
+            return f"it was killed by signal {-rc}"
+    return f"it exited with code {rc}"
+
+
+def _broken(s: ServerProc, binary: Path, why: str) -> AnchorBroken:
+    """The error for a server that cannot answer, once its process has ended (a crash
+    resets the connection a moment before the process is reaped)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        s.proc.wait(5)
+    last = s.tail(6000).splitlines()[-20:]
+    if binary == server_path():
+        todo = (f"delete {build_dir()} and run bench/setup_llamacpp.sh to rebuild it "
+                "(on x86_64 it builds without AMX, llama.cpp issue #20824)")
+    else:
+        todo = ("build one with bench/setup_llamacpp.sh (on x86_64 without AMX, llama.cpp "
+                "issue #20824) and drop --llama-server, or pass a binary that runs here")
+    return AnchorBroken(
+        f"llama-server {binary} cannot answer a completion: {why}; {_ended(s.proc.poll())}. "
+        f"Its last output ({s.log}):\n  " + "\n  ".join(last or ["(none)"])
+        + f"\nTo fix it: {todo}.")
+
+
+def check_answers(s: ServerProc, binary: Path, timeout: float = 300.0) -> None:
+    """One tiny real completion (4 tokens): the health check passes before any compute,
+    and a broken build dies at its first (issue 43)."""
+    import httpx
+
+    why = ""
+    try:
+        r = httpx.post(s.url + "/v1/completions", timeout=timeout,
+                       json={"prompt": "Hello", "max_tokens": 4, "temperature": 0.0})
+        if r.status_code != 200:
+            why = f"HTTP {r.status_code}: {r.text[:300]}"
+        elif not r.json().get("choices"):
+            why = f"a reply without choices: {r.text[:300]}"
+    except (httpx.HTTPError, ValueError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    if why or s.proc.poll() is not None:
+        raise _broken(s, binary, why or "it answered, then ended")
+
+
 def start_llamacpp(started: list[ServerProc], binary: Path, gguf: Path, threads: int,
                    ctx: int, slots: int, log: Path) -> ServerProc:
+    """llama-server on a free port, healthy and answering (else ``AnchorBroken``)."""
     port = _free_port()
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
            "-c", str(ctx), "-np", str(slots), "--kv-unified", "--host", "127.0.0.1",
@@ -102,7 +168,14 @@ def start_llamacpp(started: list[ServerProc], binary: Path, gguf: Path, threads:
     s = ServerProc("llama-server", cmd, log)
     started.append(s)
     s.url = f"http://127.0.0.1:{port}"
-    s.wait_health(300.0)
+    try:
+        s.wait_health(300.0)
+    except BenchError as exc:
+        if s.proc.poll() is None:
+            raise   # not healthy in time: the message says so
+        raise _broken(s, binary, "it ended before it was healthy (its warm-up runs a "
+                      "first compute)") from exc
+    check_answers(s, binary)
     return s
 
 
@@ -165,8 +238,12 @@ def run(gguf: Path, binary: Path, tp: int, prompt_tokens: int, reps: int,
     warm = p.text(p.ids(seed + 7, 64))
     out: dict[str, Any] = {"threads": threads}
     extra = ["--max-num-seqs", str(max(16, clients)), "--kv-cache-size", str(kv_cache_size)]
+    slots = max(16, clients)
     with tempfile.TemporaryDirectory(prefix="phx-bench-llamacpp-") as tmp, \
             servers() as started:
+        # the anchor answers, or the run stops now, not after phalanx's side
+        stop(started, start_llamacpp(started, binary, gguf, threads, ctx, slots,
+                                     logs / "llama-check.log"))
         disk = Path(tmp) / "disk"
         s = start_phalanx(started, gguf, tp, disk, logs / "phalanx.log", extra)
         name = _served_name(s.url)
@@ -186,7 +263,6 @@ def run(gguf: Path, binary: Path, tp: int, prompt_tokens: int, reps: int,
             raise BenchError("a repeat after phalanx's restart reported no cached tokens")
         out["phalanx"] = ph
 
-        slots = max(16, clients)
         ll = start_llamacpp(started, binary, gguf, threads, ctx, slots, logs / "llama.log")
         lname = _served_name(ll.url)
         one_prompt(ll.url, lname, warm, 4, LLAMA_EXTRA)
@@ -311,9 +387,12 @@ def command(model_file: Path | None, llama_server: Path | None, tp: int, prompt_
         where = logs or Path(tmp_logs)
         where.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        raw = run(gguf, binary, tp, prompt_tokens, reps, decode_tokens, max_tokens, clients,
-                  systems, system_tokens, kv_cache_size, ctx, seed, where)
-    result = shape(raw, gguf)
+        try:
+            raw = run(gguf, binary, tp, prompt_tokens, reps, decode_tokens, max_tokens,
+                      clients, systems, system_tokens, kv_cache_size, ctx, seed, where)
+        except AnchorBroken as exc:
+            raise click.ClickException(str(exc)) from exc   # a message, not a traceback
+    result = {"cpu": cpu(), **shape(raw, gguf)}
     result["setup"] = {"model": str(gguf), "llama_server": str(binary), "tp": tp,
                        "threads": raw["threads"], "prompt_tokens": prompt_tokens,
                        "reps": reps, "decode_tokens": decode_tokens,
@@ -322,4 +401,8 @@ def command(model_file: Path | None, llama_server: Path | None, tp: int, prompt_
                        "kv_cache_size": kv_cache_size, "llama_ctx": ctx,
                        "loadavg_1m": round(os.getloadavg()[0], 2), "quick": quick,
                        "wall_s": round(time.monotonic() - t0, 1)}
+    if not as_json:
+        amx = {True: "AMX", False: "no AMX", None: "AMX unknown"}[result["cpu"]["amx"]]
+        print(f"# CPU: {result['cpu']['model']} ({amx}), {raw['threads']} threads; "
+              f"llama-server: {binary}")
     emit(result, as_json)
