@@ -4,6 +4,15 @@ A run *retires* when its orch function has returned, every task it submitted has
 physically finished, and its run-scoped cleanups (physical releases deferred to the
 fence) have completed. Later layers hang physical releases on that fence with
 :meth:`Orchestrator.defer`.
+
+A run holds what its fence and outcome still depend on, never its whole history: a
+task that is outstanding (logically or physically), and one that failed with nobody
+having looked (it fails the run at the drain). A task that finished and succeeded, or
+whose failure its caller saw, is let go as it finishes or is looked at (``TaskFuture``'s
+``on_finished``). One run may serve for a process's life (the engine's holds its
+ranks' runners; before issue 43's step channel it submitted every step as tasks):
+when a run kept every future it made, that server grew 4 MB per 1,000 short requests
+for as long as it ran (issue 45). ``Worker.stats().tasks_retained`` shows what runs hold.
 """
 
 from __future__ import annotations
@@ -62,7 +71,11 @@ class Run:
         self.name = name
         self.worker = worker
         self.state = RunState.QUEUED
-        self.tasks: list[TaskFuture] = []
+        # Invariant (under _lock): every task of this run not yet finished is here, and
+        # every finished one that failed with nobody having looked; a task leaves when it
+        # finished with no failure, or with one seen (at its finish or its first look
+        # after). Insertion order is submission order: the drain names the first failure.
+        self._held: dict[int, TaskFuture] = {}
         self.cleanups = CleanupJournal(f"run {run_id} ({name})")
         self.value: Any = None
         self.error: BaseException | None = None
@@ -80,7 +93,29 @@ class Run:
                     f"run {self.run_id} ({self.name}) is {self.state.value}: tasks can be "
                     f"submitted only while its orch function runs"
                 )
-            self.tasks.append(future)
+            # the worker adds a task before it admits or sends it, so its finish (and
+            # on_finished) always comes after this
+            self._held[future.task_id] = future
+
+    @property
+    def tasks_retained(self) -> int:
+        """How many of its tasks this run holds (outstanding, or failed unseen)."""
+        return len(self._held)
+
+    def task_finished(self, future: TaskFuture) -> None:
+        """``on_finished`` of this run's tasks: called by the thread that settled one
+        (often the hub's), or that looked at its failure after. Idempotent."""
+        with self._lock:
+            self._let_go(future)
+
+    def _let_go(self, future: TaskFuture) -> None:
+        """Under _lock: forget a finished task unless it failed with nobody looking."""
+        if future.failure() is None or future.observed:
+            self._held.pop(future.task_id, None)
+
+    def _snapshot(self) -> list[TaskFuture]:
+        with self._lock:
+            return list(self._held.values())
 
     def execute(self, orch_fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                 orchestrator: Orchestrator, wait_fence: bool = True) -> None:
@@ -114,17 +149,23 @@ class Run:
                 self.error = exc
         with self._lock:
             self.state = RunState.RETIRED
+            self._held.clear()  # the outcome is final: a failure left here was used
         self.settled.set()
         self.retired.set()
         self.worker._run_retired(self)
 
     def _drain(self) -> bool:
-        """Wait for every task's outcome; True if every task also finished physically."""
-        for task in self.tasks:
+        """Wait for every task's outcome; True if every task also finished physically.
+
+        No task is added from now on (the state is DRAINING), so one snapshot of the
+        held tasks covers every task that can still matter: those let go finished with
+        no failure, or with one their caller saw."""
+        held = self._snapshot()
+        for task in held:
             task.wait_settled()
         if self.error is None:
             # A task failure nobody looked at fails the run rather than vanish.
-            for task in self.tasks:
+            for task in held:
                 failure = task.failure()
                 if failure is not None and not task.observed:
                     self.error = failure
@@ -132,7 +173,7 @@ class Run:
         # Looked at once: a task may finish (on the hub thread) while we look, and a
         # second look could then find none unfinished (StopIteration escaped execute()
         # and the run never settled).
-        unfinished = [t for t in self.tasks if not t.finished]
+        unfinished = [t for t in held if not t.finished]
         if not unfinished:
             return True
         # A task ran past its deadline or was abandoned (a rank it depends on died or
@@ -146,7 +187,7 @@ class Run:
         return False
 
     def _wait_physical(self) -> None:
-        for task in self.tasks:
+        for task in self._snapshot():
             while not task.wait_finished(_FENCE_REPORT_S):
                 log.warning(
                     "run %d (%s) cannot retire: task %s on rank %d is still running %.0fs past "

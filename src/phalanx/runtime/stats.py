@@ -1,4 +1,11 @@
-"""``Worker.stats()``: a snapshot of counters, one dataclass (every resource class has one)."""
+"""``Worker.stats()``: a snapshot of counters, one dataclass (every resource class has one).
+
+``tasks_retained`` is what the live runs hold of their tasks (futures still running, or
+failed with nobody having looked): bounded by what is outstanding, not by how many
+tasks a run ever ran, so a run that serves for the process's life stays flat; issue 45
+found one (the engine's, which then ran every step as tasks) keeping every future it
+ever made.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ class WorkerStats:
     tasks_submitted: int
     tasks_succeeded: int
     tasks_failed: int
+    tasks_retained: int
     uptime_s: float
     generation: str
     rendezvous: str

@@ -9,6 +9,10 @@ of shared resources provably stopped.
 One Event per future on the common path (the round trip is what the Worker benchmark
 measures against multiprocessing.Pool); a second one exists only for a task that
 expired and must still be waited out.
+
+A run's task tells its run when it finished (``on_finished``), and, if it failed, again
+once its caller looked at the failure, so the run can let go of it: a run holds only
+what is outstanding (run.py), however long it lives.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ _OUTCOME = threading.Lock()
 class TaskFuture:
     """The future of one task. ``result()`` waits at most until the task's deadline."""
 
-    __slots__ = ("_done", "_error", "_expired_wait", "_finished", "_on_expire", "_value",
-                 "control", "deadline", "group", "name", "observed", "rank", "run_id",
-                 "task_id", "timeout")
+    __slots__ = ("_done", "_error", "_expired_wait", "_finished", "_on_expire",
+                 "_on_finished", "_value", "control", "deadline", "group", "name",
+                 "observed", "rank", "run_id", "task_id", "timeout")
 
     def __init__(self, rank: int, task_id: int, name: str, run_id: int, timeout: float,
                  control: bool = False, group: int = 0,
-                 on_expire: Callable[[], None] | None = None) -> None:
+                 on_expire: Callable[[], None] | None = None,
+                 on_finished: Callable[[TaskFuture], None] | None = None) -> None:
         self.rank = rank
         self.control = control  # runtime-internal: not counted as a user task
         # A Worker.call_ranks call's id (0: a run's task): a rank's death fails the other
@@ -45,6 +50,10 @@ class TaskFuture:
         # Called (outside any lock) when the deadline passes, before the TaskTimeoutError
         # is set: the worker looks for a stopped rank to blame instead (RankHungError).
         self._on_expire = on_expire
+        # Called (outside any lock) when the task finished physically, and for a failure
+        # again once it was looked at: its run lets go of it then (an unseen failure is
+        # the run's to raise). Dropped when it can matter no more, so no cycle outlives it.
+        self._on_finished = on_finished
         self.task_id = task_id
         self.name = name
         self.run_id = run_id
@@ -69,12 +78,15 @@ class TaskFuture:
         self.observed = True
         self._wait(timeout)
         if self._error is not None:
+            self._seen()
             raise self._error
         return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self.observed = True
         self._wait(timeout)
+        if self._error is not None:
+            self._seen()
         return self._error
 
     @property
@@ -141,8 +153,23 @@ class TaskFuture:
                 self._done.set()
             self._finished = True
             event = self._expired_wait
+            on_finished = self._on_finished
+            if self._error is None or self.observed:  # no later look can matter
+                self._on_finished = None
         if event is not None:
             event.set()
+        if on_finished is not None:
+            on_finished(self)
+
+    def _seen(self) -> None:
+        """A failure was looked at: once finished, its run need not hold it any more
+        (the run's hook is idempotent; a look before the finish is seen at the finish)."""
+        with _OUTCOME:
+            if not self._finished:
+                return
+            on_finished, self._on_finished = self._on_finished, None
+        if on_finished is not None:
+            on_finished(self)
 
     def set_result(self, value: Any) -> None:
         self._settle(value, None)

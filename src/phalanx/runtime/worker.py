@@ -438,7 +438,7 @@ class Worker:
         check_size(len(payload), self.max_message_bytes, f"task {name} for rank {rank}")
         fut = TaskFuture(rank, next(self._ids), name, 0 if run is None else run.run_id,
                          self.task_timeout if timeout is None else timeout, control, group,
-                         self._losses.check_hung)
+                         self._losses.check_hung, None if run is None else run.task_finished)
         return fut, payload
 
     def _dispatch(self, fut: TaskFuture, kind: Kind, payload: bytes) -> None:
@@ -510,6 +510,7 @@ class Worker:
                 tasks_submitted=self._counts["tasks_submitted"],
                 tasks_succeeded=self._counts["tasks_succeeded"],
                 tasks_failed=self._counts["tasks_failed"],
+                tasks_retained=sum(r.tasks_retained for r in self._runs.values()),
             )
 
     @property
