@@ -2,7 +2,7 @@
 
 Frames carry pickled payloads. That is safe only because both ends are a parent and
 the children it started, joined by an anonymous AF_UNIX socketpair that nothing else
-can reach; anything that crosses a network uses typed frames instead (DESIGN.md, "No
+can reach; anything that crosses a network uses typed frames instead (docs/architecture.md, "No
 pickle off the host").
 """
 

@@ -1,6 +1,6 @@
 """The Worker: starts and supervises rank processes and runs orchestration functions.
 
-Lifecycle (``WorkerState``) and the contracts it keeps (DESIGN.md, "Contracts"):
+Lifecycle (``WorkerState``) and the contracts it keeps (docs/architecture.md, "Contracts"):
 a failed task fails its run, never the worker; a failed cleanup or a dead rank poisons
 the worker (runs are refused with the reason; ``close()`` is still possible); ``close()``
 is idempotent, bounded, and retries only what its cleanup journal still owes.
