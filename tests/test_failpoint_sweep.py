@@ -504,14 +504,16 @@ def _engine_points(points: list[str], tmp: Path) -> Problems:
 def _rank_step_points(points: list[str], tmp: Path) -> Problems:
     """A rank faults on a step it read from the step channel: the step fails naming the
     point and the rank, the engine is dead (a rank's step failure is its death), and it
-    closes cleanly, leaving nothing."""
+    closes cleanly, leaving nothing. One rank: with two, the survivor's step waits out
+    its collective's deadline (30 s) before the close can take its runner (the parent
+    fails the step at once either way)."""
     from phalanx.engine import LLM, SamplingParams
     from phalanx.engine.model.default_model import default_model_dir
 
     (point,) = points
     rank = RANK[point]
     sp = SamplingParams(max_tokens=3, temperature=0)
-    with LLM(default_model_dir(), tensor_parallel_size=2) as llm:
+    with LLM(default_model_dir(), tensor_parallel_size=1) as llm:
         llm.generate("before", sp)
         llm.engine.executor.worker.arm_failpoint(point, "raise*1", ranks=[rank])
         p = _reached(point, rank, _attempt(llm.generate, "faulted", sp))
@@ -618,7 +620,7 @@ COVERS: dict[str, tuple[Scenario, dict[str, int | None]]] = {
     "serve-admit": (_serve_points, {"serve.driver.admit": None}),
     # the parent's own step code fails: that request's error, the engine serves on
     "engine-encode": (_serve_points, {"engine.step.encode": None}),
-    "engine-rank-step": (_rank_step_points, {"engine.rank.step": 1}),
+    "engine-rank-step": (_rank_step_points, {"engine.rank.step": 0}),
     "serve-tokenize": (_api_points, {"serve.api.tokenize": None}),
 }
 for _fn, _points in COVERS.values():

@@ -25,7 +25,7 @@ from serve_util import Server, model_env
 pytestmark = pytest.mark.slow
 
 SEED = os.environ.get("PHALANX_FUZZ_SEED", "45")
-EXAMPLES = os.environ.get("PHALANX_FUZZ_EXAMPLES", "15")
+EXAMPLES = os.environ.get("PHALANX_FUZZ_EXAMPLES", "10")
 
 # the batches: after each, the server must still serve
 BATCHES = {
