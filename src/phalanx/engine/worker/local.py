@@ -250,6 +250,12 @@ class RankGroup(ExecutorBase):
                 if job is not None:
                     job[1].set_exception(self._refusing)
 
+    def _raise_if_refused(self) -> None:
+        """Under ``_jobs_lock``: raise why the group takes no more work, if it does not."""
+        refused = self.dead or self._refusing
+        if refused is not None:
+            raise refused
+
     def _refuse(self, exc: BaseException) -> None:
         """Under ``_jobs_lock``: later submissions fail with ``exc`` (the first reason
         given stays)."""
@@ -261,10 +267,8 @@ class RankGroup(ExecutorBase):
         encoded result. Through the step channel, on the caller's thread."""
         with self._quiet.call():
             with self._jobs_lock:
-                refused = self.dead or self._refusing
+                self._raise_if_refused()
                 channel = self._channel
-            if refused is not None:
-                raise refused
             if channel is None:
                 raise EngineDeadError("the engine's ranks were closed")
             disk = cast(Any, loads)
@@ -282,9 +286,7 @@ class RankGroup(ExecutorBase):
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._quiet.call():
             with self._jobs_lock:
-                refused = self.dead or self._refusing
-                if refused is not None:
-                    raise refused
+                self._raise_if_refused()
                 self._jobs.put((_OnRank0(fn, args), fut))
             # the task carries the step deadline; this one only backs it up
             return cast(T, fut.result(timeout=self._step_timeout * 2 + 30))

@@ -179,7 +179,8 @@ class _Api:
 
     async def _start(self, prompts: list[list[int]], params: list[SamplingParams],
                      rid: str) -> Choices:
-        self._check_serving()
+        # the routes checked health before their work; an engine that died since makes
+        # generate_many raise EngineDeadError, the same 503
         streams = self.engine.generate_many(
             [(f"{rid}-{i}", p, sp)
              for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])

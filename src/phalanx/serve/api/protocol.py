@@ -17,6 +17,8 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
+from phalanx.engine.core.sampling import MAX_LOGPROBS, SEED_RANGE, TOP_K_MAX
+
 from .errors import APIError
 
 __all__ = [
@@ -29,12 +31,12 @@ __all__ = [
     "decode_request",
 ]
 
-MAX_LOGPROBS = 20
 
 T = TypeVar("T", bound=msgspec.Struct)
 
-INT31 = (1 << 31) - 1      # token ids, counts and top_k: far beyond any vocabulary
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+# the engine's own bounds (what a step plan can carry), applied where values enter
+INT31 = TOP_K_MAX          # token ids, counts and top_k: far beyond any vocabulary
+SEED_MIN, SEED_MAX = SEED_RANGE
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
