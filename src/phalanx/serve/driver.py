@@ -160,6 +160,9 @@ class EngineDriver:
         # ended or the client left -- not when the engine finished generating, so a
         # finished request still streaming to a slow client is counted (vLLM's rule).
         self._slots: set[str] = set()
+        # A run's followers (generate_many's n), by its leader's request id: queued
+        # until the leader's prompt is computed (or it ended, or failed); under _lock.
+        self._followers: dict[str, list[_Add]] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
@@ -260,12 +263,20 @@ class EngineDriver:
         (stream,) = self.generate_many([(request_id, prompt_token_ids, params)])
         return stream
 
-    def generate_many(self, requests: Sequence[tuple[str, list[int], SamplingParams]]
-                      ) -> list[RequestStream]:
+    def generate_many(self, requests: Sequence[tuple[str, list[int], SamplingParams]],
+                      n: int = 1) -> list[RequestStream]:
         """Admit every request or none (issue 45: a list of 300 prompts once took 272
         slots, got its 503 and never gave them back): each gets an admission slot and a
         stream, or this raises -- ``EngineDeadError`` when the engine is dead or
-        stopping, a 503 ``APIError`` when the slots left are fewer than asked."""
+        stopping, a 503 ``APIError`` when the slots left are fewer than asked.
+
+        ``n``: the requests come in runs of ``n`` with one prompt (a request's ``n``
+        choices, issue 46). The first of a run goes to the engine at once; the others
+        follow it once its prompt is computed (its first delta), so their admission
+        finds the prompt's full pages in the memory tier: one prefill per run, and
+        each follower's ``cached_memory`` shows it."""
+        if n < 1 or len(requests) % n:
+            raise ValueError(f"generate_many: {len(requests)} requests are not runs of {n}")
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         _ADMIT.hit()
@@ -287,8 +298,13 @@ class EngineDriver:
                 self._slots.add(rid)
                 self._streams[rid] = stream
                 streams.append(stream)
-        for rid, prompt, params in requests:
-            self._send(_Add(rid, prompt, params))
+            adds = [_Add(rid, prompt, params) for rid, prompt, params in requests]
+            leaders = adds[::n]
+            for i, leader in enumerate(leaders):
+                if n > 1:
+                    self._followers[leader.request_id] = adds[i * n + 1:(i + 1) * n]
+        for leader in leaders:
+            self._send(leader)
         return streams
 
     def _release(self, stream: RequestStream, finished: bool) -> None:
@@ -332,6 +348,29 @@ class EngineDriver:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
+    def _release_followers(self, leader: str) -> None:
+        """On the engine thread: the leader's prompt is computed (or it ended): its
+        followers go to the engine now, each that is still wanted (not closed)."""
+        with self._lock:
+            follow = self._followers.pop(leader, [])
+            wanted = [a for a in follow
+                      if (s := self._streams.get(a.request_id)) is not None and not s.closed]
+        for add in wanted:
+            self._add(add)
+
+    def _add(self, command: _Add) -> None:
+        rid = command.request_id
+        try:
+            self.engine.add_request(rid, command.prompt_token_ids, command.params)
+        except Exception as exc:  # noqa: BLE001  this request's error, not the engine's
+            self._deliver(rid, exc, final=True)
+            self._release_followers(rid)
+            return
+        with self._lock:
+            stream = self._streams.get(rid)
+        if stream is not None:
+            stream.admitted = time.monotonic()
+
     def _apply_commands(self) -> None:
         while True:
             try:
@@ -339,20 +378,12 @@ class EngineDriver:
             except queue.Empty:
                 return
             if isinstance(command, _Add):
-                rid = command.request_id
-                try:
-                    self.engine.add_request(rid, command.prompt_token_ids, command.params)
-                except Exception as exc:  # noqa: BLE001  this request's error, not the engine's
-                    self._deliver(rid, exc, final=True)
-                    continue
-                with self._lock:
-                    stream = self._streams.get(rid)
-                if stream is not None:
-                    stream.admitted = time.monotonic()
+                self._add(command)
             elif isinstance(command, _Abort):
                 self.engine.abort(command.request_id)
                 with self._lock:
                     self._streams.pop(command.request_id, None)
+                self._release_followers(command.request_id)
             else:  # a command this loop does not know is a bug, not something to drop
                 raise TypeError(f"engine driver: unknown command {command!r}")
 
@@ -402,8 +433,11 @@ class EngineDriver:
         """One request's step delta, as the HTTP layer's Delta, to its stream."""
         with self._lock:
             stream = self._streams.get(out.request_id)
+            leads = out.request_id in self._followers
         if out.error is not None:
             self._deliver(out.request_id, out.error, final=True)
+            if leads:
+                self._release_followers(out.request_id)
             return
         logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
         for tok, entry in zip(out.token_ids, out.logprobs or [], strict=False):
@@ -428,6 +462,8 @@ class EngineDriver:
                       cached_disk=out.cached_tokens_disk,
                       output_tokens=out.num_output_tokens, queue_time=queue_time)
         self._deliver(out.request_id, delta, final=out.finished)
+        if leads:  # its prompt's pages are keyed now: hits for its followers
+            self._release_followers(out.request_id)
 
     def _die(self, exc: BaseException) -> None:
         log.error("engine died: %s", exc)
@@ -435,6 +471,7 @@ class EngineDriver:
         with self._lock:
             self._dead = exc
             streams = list(self._streams)
+            self._followers.clear()
         for rid in streams:
             self._deliver(rid, err, final=True)
         if self._on_death is not None:

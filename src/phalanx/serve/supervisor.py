@@ -81,9 +81,9 @@ class Supervisor:
     def token_text(self, token_id: int) -> str:
         return self.driver.token_text(token_id)
 
-    def generate_many(self, requests: Sequence[tuple[str, list[int], SamplingParams]]
-                      ) -> list[RequestStream]:
-        return self.driver.generate_many(requests)
+    def generate_many(self, requests: Sequence[tuple[str, list[int], SamplingParams]],
+                      n: int = 1) -> list[RequestStream]:
+        return self.driver.generate_many(requests, n)
 
     def fail_inflight(self, reason: str) -> int:
         d = self._driver

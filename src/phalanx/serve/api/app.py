@@ -152,11 +152,14 @@ class _Api:
         return max_tokens
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                logprobs: int | None) -> SamplingParams:
-        return SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                logprobs: int | None) -> list[SamplingParams]:
+        """The request's ``n`` choices' parameters: choice ``i`` samples with ``seed + i``
+        (vLLM's rule), so a seeded request's choices differ and each is reproducible."""
+        return [SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            seed=None if req.seed is None else req.seed + i,
             max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, logprobs=logprobs)
+            ignore_eos=req.ignore_eos, logprobs=logprobs) for i in range(req.n)]
 
     def _check_serving(self) -> None:
         """A 503 with Retry-After before any work while the engine is down or healing."""
@@ -178,12 +181,15 @@ class _Api:
         return await asyncio.to_thread(run)
 
     async def _start(self, prompts: list[list[int]], params: list[SamplingParams],
-                     rid: str) -> Choices:
+                     rid: str, n: int = 1) -> Choices:
+        """Every prompt's ``n`` choices (``params`` holds each prompt's run of ``n``);
+        choice ``i * n + j`` is prompt ``i``'s ``j``-th, as OpenAI indexes them."""
         # the routes checked health before their work; an engine that died since makes
         # generate_many raise EngineDeadError, the same 503
+        runs = [p for p in prompts for _ in range(n)]
         streams = self.engine.generate_many(
             [(f"{rid}-{i}", p, sp)
-             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
+             for i, (p, sp) in enumerate(zip(runs, params, strict=True))], n)
         choices = Choices(streams, self.metrics)
         try:
             await choices.start()
@@ -242,36 +248,38 @@ class _Api:
         req = decode_request(await request.body(), CompletionRequest)
         self._check_model(req.model)
         given = req.prompts()
-        if len(given) > self.settings.max_prompts:
-            raise APIError(400, f"the prompt is a list of {len(given)} prompts; this server "
-                           f"admits at most {self.settings.max_prompts} at once (its "
-                           f"--max-num-seqs plus --max-waiting): send fewer per request",
-                           param="prompt", code="too_many_prompts")
+        if len(given) * req.n > self.settings.max_prompts:
+            raise APIError(400, f"{len(given)} prompts of n={req.n} choices each make "
+                           f"{len(given) * req.n} choices; this server admits at most "
+                           f"{self.settings.max_prompts} at once (its --max-num-seqs plus "
+                           f"--max-waiting): send fewer per request",
+                           param="n" if req.n > 1 else "prompt", code="too_many_prompts")
         self._check_serving()
         texts = [p for p in given if isinstance(p, str)]
         encoded = iter(await self._off_loop(sum(map(len, texts)), self._tokenize_all, texts))
         prompts = [next(encoded) if isinstance(p, str) else p for p in given]
-        params = [self._params(req, self._budget(len(p), req.max_tokens, "max_tokens"),
-                               req.logprobs) for p in prompts]
+        params = [sp for p in prompts for sp in self._params(
+            req, self._budget(len(p), req.max_tokens, "max_tokens"), req.logprobs)]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        choices = await self._start(prompts, params, rid)
+        n = req.n
+        choices = await self._start(prompts, params, rid, n)
         text = self.engine.token_text
         want_lp = req.logprobs is not None
         model = self.settings.served_model_name
         if not req.stream:
-            states = await _collect(choices, len(prompts), request)
-            return _json(rsp.completion_response(rid, model, states, text, want_lp))
+            states = await _collect(choices, len(params), request)
+            return _json(rsp.completion_response(rid, model, states, text, want_lp, n))
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events() -> AsyncIterator[bytes]:
-            states = [rsp.ChoiceState(i) for i in range(len(prompts))]
+            states = [rsp.ChoiceState(i) for i in range(len(params))]
             async for i, d in choices.merged():
                 states[i].add(d)
                 if d.text or d.finish_reason is not None or d.token_ids:
                     yield _sse(rsp.completion_chunk(rid, model, created, i, d, text, want_lp))
             if include_usage:
-                yield _sse(rsp.usage_chunk(rid, model, created, "text_completion", states))
+                yield _sse(rsp.usage_chunk(rid, model, created, "text_completion", states, n))
             yield b"data: [DONE]\n\n"
 
         return _stream(events(), choices)
@@ -285,33 +293,35 @@ class _Api:
         param = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = [self._params(req, self._budget(len(prompt), req.token_limit, param), k)]
+        n = req.n
+        params = self._params(req, self._budget(len(prompt), req.token_limit, param), k)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = await self._start([prompt], params, rid)
+        choices = await self._start([prompt], params, rid, n)
         text = self.engine.token_text
         model = self.settings.served_model_name
         if not req.stream:
-            states = await _collect(choices, 1, request)
-            return _json(rsp.chat_response(rid, model, states, text, req.logprobs))
+            states = await _collect(choices, n, request)
+            return _json(rsp.chat_response(rid, model, states, text, req.logprobs, n))
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events() -> AsyncIterator[bytes]:
-            state = rsp.ChoiceState(0)
-            yield _sse(rsp.chat_chunk(rid, model, created, 0,
-                                      {"role": "assistant", "content": ""}, None, None))
-            async for _, d in choices.merged():
-                state.add(d)
+            states = [rsp.ChoiceState(i) for i in range(n)]
+            for i in range(n):
+                yield _sse(rsp.chat_chunk(rid, model, created, i,
+                                          {"role": "assistant", "content": ""}, None, None))
+            async for i, d in choices.merged():
+                states[i].add(d)
                 lp = rsp.chat_logprobs(d.logprobs, text) if req.logprobs else None
                 if d.text or d.token_ids:
-                    yield _sse(rsp.chat_chunk(rid, model, created, 0, {"content": d.text},
+                    yield _sse(rsp.chat_chunk(rid, model, created, i, {"content": d.text},
                                               None, lp))
                 if d.finish_reason is not None:
-                    yield _sse(rsp.chat_chunk(rid, model, created, 0, {}, d.finish_reason,
+                    yield _sse(rsp.chat_chunk(rid, model, created, i, {}, d.finish_reason,
                                               None))
             if include_usage:
                 yield _sse(rsp.usage_chunk(rid, model, created, "chat.completion.chunk",
-                                           [state]))
+                                           states, n))
             yield b"data: [DONE]\n\n"
 
         return _stream(events(), choices)

@@ -69,13 +69,15 @@ class EngineClient(Protocol):
         """One token's text, for logprobs (``tokens`` and ``top_logprobs`` keys)."""
         ...
 
-    def generate_many(self, requests: Sequence[tuple[str, list[int], Any]]
+    def generate_many(self, requests: Sequence[tuple[str, list[int], Any]], n: int = 1
                       ) -> Sequence[RequestDeltas]:
         """Submit ``(request id, prompt token ids, sampling params)`` each, all or none:
         raises a 503 ``APIError`` (too few admission slots left) or ``EngineDeadError``
         (a 503 too) and admits nothing, or returns one stream per request. A stream
         raises ``EngineDeadError`` if the engine dies; closing it early aborts its
-        request and frees its KV."""
+        request and frees its KV. ``n``: the requests are runs of ``n`` choices of one
+        prompt each; the engine computes each run's prompt once (its later choices hit
+        the first one's pages)."""
         ...
 
     def fail_inflight(self, reason: str) -> int:

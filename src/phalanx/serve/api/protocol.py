@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI-compatible API, decoded and validated by msgspec.
 
 Fields follow OpenAI's order and names, plus the extensions vLLM's server accepts
-(``top_k``, ``stop_token_ids``, ``ignore_eos``). Unknown fields are ignored (clients
-send them); a wrong type or an out-of-range value is a 400 naming the field.
+(``top_k``, ``stop_token_ids``, ``ignore_eos``). No field is ignored silently (issue
+46): each of OpenAI's is honoured, informational or refused (``fields.py`` holds the
+table and says why), and a field nobody declares is a 400 naming it. A wrong type or an
+out-of-range value is a 400 naming the field.
 
 Every number is bounded here, where it enters (issue 45): a value that passed these
 structs can be encoded into a step plan (msgpack: 64-bit integers) and computed with,
@@ -13,13 +15,14 @@ integer (as vLLM and torch take it), token ids and counts fit 31 bits.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
 from phalanx.engine.core.sampling import MAX_LOGPROBS, SEED_RANGE, TOP_K_MAX
 
 from .errors import APIError
+from .fields import CHAT, COMPLETIONS, Fields, check_refused, unknown_field
 
 __all__ = [
     "ChatCompletionRequest",
@@ -48,18 +51,22 @@ Seed = Annotated[int, msgspec.Meta(ge=SEED_MIN, le=SEED_MAX)]
 LogprobCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 
 
-class StreamOptions(msgspec.Struct, frozen=True):
+class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # informational: no obfuscation is added
 
 
-class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """The fields completions and chat share."""
+class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The fields completions and chat share (``fields.py``: what each does here)."""
+
+    FIELDS: ClassVar[Fields]
 
     model: str | None = None
-    frequency_penalty: Penalty = 0.0
+    frequency_penalty: Penalty | None = None
+    logit_bias: Any = None
     max_tokens: PositiveInt | None = None
-    n: PositiveInt = 1
-    presence_penalty: Penalty = 0.0
+    n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
+    presence_penalty: Penalty | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -73,14 +80,11 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
 
     def check_common(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: this server returns one choice "
-                           f"per request; send n=1 (or omit it) and repeat the request",
-                           param="n", code="unsupported_value")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) != 0.0:
-                raise APIError(400, f"{name} is not supported yet; send 0 or omit it",
-                               param=name, code="unsupported_value")
+        check_refused(self, self.FIELDS)
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            # choice i is sampled with seed + i (vLLM's rule): each must be a seed
+            raise APIError(400, f"seed={self.seed} with n={self.n}: choice i samples with "
+                           f"seed + i, which must stay <= {SEED_MAX}", param="seed")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not s for s in stops):
             raise APIError(400, "stop strings must be non-empty", param="stop")
@@ -96,19 +100,16 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
 
     # str | list[str] | list[int] | list[list[int]]; msgspec takes one array type in a
     # union, so the list's items are a union and check() requires them homogeneous.
+    FIELDS: ClassVar[Fields] = COMPLETIONS
+
     prompt: str | list[str | TokenId | list[TokenId]]
-    echo: bool = False
+    best_of: Any = None
+    echo: Any = None
     logprobs: LogprobCount | None = None
-    suffix: str | None = None
+    suffix: Any = None
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise APIError(400, "echo=true is not supported; the prompt is not returned",
-                           param="echo", code="unsupported_value")
-        if self.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix",
-                           code="unsupported_value")
         for prompt in self.prompts():
             if len(prompt) == 0:
                 raise APIError(400, "the prompt is empty: send at least one token or "
@@ -153,10 +154,33 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
+    FIELDS: ClassVar[Fields] = CHAT
+
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None
     max_completion_tokens: PositiveInt | None = None
+    # refused unless null or neutral, informational: fields.py says why
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    metadata: Any = None
+    modalities: Any = None
+    moderation: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    reasoning_effort: Any = None
+    response_format: Any = None
+    safety_identifier: Any = None
+    service_tier: Any = None
+    store: Any = None
+    tool_choice: Any = None
+    tools: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
     def check(self) -> None:
         self.check_common()
@@ -193,6 +217,7 @@ class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
 
 
 def decode_request(body: bytes, kind: type[T]) -> T:
@@ -204,8 +229,12 @@ def decode_request(body: bytes, kind: type[T]) -> T:
     except msgspec.ValidationError as exc:
         message = str(exc)
         match = _AT.search(message)
-        param = match.group(1) if match else None
-        raise APIError(400, f"invalid request: {message}", param=param) from None
+        path = match.group(1) if match else ""
+        unknown = _UNKNOWN.match(message)
+        if unknown:
+            raise unknown_field(unknown.group(1), path,
+                                getattr(kind, "FIELDS", None)) from None
+        raise APIError(400, f"invalid request: {message}", param=path or None) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's own depth guard (issue 45: 200,000 '[' were a 500)

@@ -44,11 +44,20 @@ class ChoiceState:
             self.cached_memory, self.cached_disk = d.cached_memory, d.cached_disk
 
 
-def usage(choices: Sequence[ChoiceState]) -> JSON:
-    prompt = sum(c.prompt_tokens for c in choices)
+def usage(choices: Sequence[ChoiceState], n: int = 1) -> JSON:
+    """Usage of a request whose prompts have ``n`` choices each (in runs of ``n``).
+
+    A prompt counts once, as OpenAI counts it, with what its first choice found cached;
+    the others follow it and hit its pages (issue 46), which phalanx's own
+    ``prompt_tokens_computed`` shows: every choice's prompt tokens that were computed,
+    not served from a cache tier (one prefill: the first's, plus each later choice's
+    last partial page)."""
+    firsts = choices[::n]
+    prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(len(c.token_ids) for c in choices)
-    memory = sum(c.cached_memory for c in choices)
-    disk = sum(c.cached_disk for c in choices)
+    memory = sum(c.cached_memory for c in firsts)
+    disk = sum(c.cached_disk for c in firsts)
+    computed = sum(c.prompt_tokens - c.cached_memory - c.cached_disk for c in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -56,6 +65,7 @@ def usage(choices: Sequence[ChoiceState]) -> JSON:
         "prompt_tokens_details": {"cached_tokens": memory + disk},
         "cached_tokens_memory": memory,
         "cached_tokens_disk": disk,
+        "prompt_tokens_computed": computed,
     }
 
 
@@ -90,7 +100,7 @@ def chat_logprobs(entries: Sequence[tuple[int, float, Sequence[tuple[int, float]
 
 
 def completion_response(rid: str, model: str, choices: Sequence[ChoiceState],
-                        token_text: TokenText, want_logprobs: bool) -> JSON:
+                        token_text: TokenText, want_logprobs: bool, n: int = 1) -> JSON:
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": [{
@@ -98,7 +108,7 @@ def completion_response(rid: str, model: str, choices: Sequence[ChoiceState],
             "logprobs": completion_logprobs(c.logprobs, token_text) if want_logprobs else None,
             "finish_reason": c.finish_reason,
         } for c in choices],
-        "usage": usage(choices),
+        "usage": usage(choices, n),
     }
 
 
@@ -115,7 +125,7 @@ def completion_chunk(rid: str, model: str, created: int, index: int, d: Delta,
 
 
 def chat_response(rid: str, model: str, choices: Sequence[ChoiceState],
-                  token_text: TokenText, want_logprobs: bool) -> JSON:
+                  token_text: TokenText, want_logprobs: bool, n: int = 1) -> JSON:
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{
@@ -124,7 +134,7 @@ def chat_response(rid: str, model: str, choices: Sequence[ChoiceState],
             "logprobs": chat_logprobs(c.logprobs, token_text) if want_logprobs else None,
             "finish_reason": c.finish_reason,
         } for c in choices],
-        "usage": usage(choices),
+        "usage": usage(choices, n),
     }
 
 
@@ -138,6 +148,6 @@ def chat_chunk(rid: str, model: str, created: int, index: int, delta: JSON,
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str,
-                choices: Sequence[ChoiceState]) -> JSON:
+                choices: Sequence[ChoiceState], n: int = 1) -> JSON:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(choices)}
+            "usage": usage(choices, n)}

@@ -1,0 +1,210 @@
+"""No request field is ignored silently, and ``n`` > 1 shares one prefill (issue 46).
+
+The field table (``phalanx.serve.api.fields``) is checked against the installed
+``openai`` package's own TypedDicts, so a field a new openai release adds fails here
+until it is classified. Every refused field, sent with a value that asks for something,
+is a 400 naming it: validation runs before admission, so these cost no generation.
+
+One server (TP 1, the embedded model, memory tier only) answers them all.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from phalanx.serve.api import fields as F
+from phalanx.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from serve_util import Server, model_env, pages_prompt
+
+PAGE = 64  # the engine's page_tokens: the prefix cache's unit
+
+
+def _openai_fields(module: Any, base: str, streaming: str) -> set[str]:
+    """A request's fields as the installed openai package types them."""
+    return set(typing.get_type_hints(getattr(module, base))) | set(
+        typing.get_type_hints(getattr(module, streaming)))
+
+
+def _tables() -> list[tuple[F.Fields, set[str]]]:
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import completion_create_params as chat
+    from openai.types.responses import response_create_params as responses
+    return [
+        (F.CHAT, _openai_fields(chat, "CompletionCreateParamsBase",
+                                "CompletionCreateParamsStreaming")),
+        (F.COMPLETIONS, _openai_fields(completion, "CompletionCreateParamsBase",
+                                       "CompletionCreateParamsStreaming")),
+        (F.RESPONSES, _openai_fields(responses, "ResponseCreateParamsBase",
+                                     "ResponseCreateParamsStreaming")),
+    ]
+
+
+@pytest.mark.parametrize("table", _tables(), ids=lambda t: t[0].endpoint)
+def test_every_openai_field_is_honoured_refused_or_informational(
+        table: tuple[F.Fields, set[str]]) -> None:
+    fields, theirs = table
+    kinds = [fields.honoured, fields.informational, set(fields.refused)]
+    assert theirs == set().union(*kinds), (
+        f"{fields.endpoint}: not classified {sorted(theirs - set().union(*kinds))}, "
+        f"not OpenAI's {sorted(set().union(*kinds) - theirs)}")
+    for i, a in enumerate(kinds):
+        for b in kinds[i + 1:]:
+            assert not a & b, f"{fields.endpoint}: in two kinds: {sorted(a & b)}"
+    assert not fields.extensions & theirs
+
+
+@pytest.mark.parametrize(("kind", "fields"), [(ChatCompletionRequest, F.CHAT),
+                                              (CompletionRequest, F.COMPLETIONS)])
+def test_the_request_structs_declare_every_field_of_their_table(
+        kind: type, fields: F.Fields) -> None:
+    declared = set(kind.__struct_fields__)
+    table = fields.honoured | fields.informational | set(fields.refused) | fields.extensions
+    assert declared == table
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    home = tmp_path_factory.mktemp("fields-home")
+    s = Server("--tp", "1", "--no-prefix-cache-disk", "--max-num-seqs", "4",
+               "--max-waiting", "4", env=model_env(home))
+    yield s
+    assert s.stop() == 0
+
+
+def _client(s: Server) -> openai.OpenAI:
+    c: openai.OpenAI = s.openai()
+    return c
+
+
+# a value that asks for something, per refused field (the default: an object)
+_ASKS: dict[str, Any] = {"frequency_penalty": 0.5, "presence_penalty": -0.5, "store": True,
+                         "echo": True, "best_of": 2, "suffix": "end", "background": True,
+                         "top_logprobs": 2, "truncation": "auto", "modalities": ["audio"],
+                         "tool_choice": "required", "parallel_tool_calls": True,
+                         "reasoning_effort": "high", "verbosity": "low",
+                         "prompt_cache_retention": "24h", "include": ["x"],
+                         "previous_response_id": "resp_1", "max_tool_calls": 2,
+                         "tools": [{"type": "function", "function": {"name": "f"}}]}
+
+
+def _create(s: Server, fields: F.Fields, **extra: Any) -> Any:
+    c, model = _client(s), _model(s)
+    if fields is F.CHAT:
+        return c.chat.completions.create(model=model, max_tokens=2, extra_body=extra,
+                                         messages=[{"role": "user", "content": "hi"}])
+    if fields is F.COMPLETIONS:
+        return c.completions.create(model=model, prompt="hi", max_tokens=2,
+                                    extra_body=extra)
+    return c.responses.create(model=model, input="hi", max_output_tokens=2,
+                              extra_body=extra)
+
+
+_ENDPOINTS = [F.CHAT, F.COMPLETIONS]
+
+
+def _refused() -> list[Any]:
+    return [pytest.param(f, name, id=f"{f.endpoint}-{name}")
+            for f in _ENDPOINTS for name in sorted(f.refused)]
+
+
+def _model(s: Server) -> str:
+    return str(s.client.get("/v1/models").json()["data"][0]["id"])
+
+
+@pytest.mark.parametrize(("fields", "name"), _refused())
+def test_a_refused_field_is_a_400_naming_it(server: Server, fields: F.Fields,
+                                            name: str) -> None:
+    value = _ASKS.get(name, {"requested": True})
+    with pytest.raises(openai.BadRequestError) as err:
+        _create(server, fields, **{name: value})
+    assert err.value.param == name and err.value.code == "unsupported_field"
+    assert name in err.value.message
+
+
+@pytest.mark.parametrize("fields", _ENDPOINTS, ids=lambda f: f.endpoint)
+def test_an_unknown_field_is_a_400_and_informational_ones_are_accepted(
+        server: Server, fields: F.Fields) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        _create(server, fields, best_off=2)
+    assert err.value.param == "best_off" and err.value.code == "unknown_field"
+    info = {name: {"k": "v"} if name == "metadata" else "x" for name in fields.informational}
+    neutral = {name: rule.neutral[-1] for name, rule in fields.refused.items()}
+    assert _create(server, fields, **info, **neutral) is not None
+
+
+def _prompt(words: int, seed: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": pages_prompt(words, seed)}]
+
+
+def _tail(prompt_tokens: int) -> int:
+    """Tokens a later choice computes itself: the prompt past its last full page
+    before the token sampled from (the cache holds full pages only)."""
+    return prompt_tokens - (prompt_tokens - 1) // PAGE * PAGE
+
+
+def test_n_choices_share_one_prefill(server: Server) -> None:
+    before = server.metric("phalanx:prompt_tokens_computed_total")
+    r = _client(server).chat.completions.create(
+        model=_model(server), messages=_prompt(120, 1), n=4, temperature=0.8, max_tokens=6)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    usage = r.usage
+    assert usage is not None and usage.prompt_tokens > 2 * PAGE
+    extra = usage.model_extra or {}
+    # the prompt counted once; the 3 later choices computed only their tails
+    once = usage.prompt_tokens + 3 * _tail(usage.prompt_tokens)
+    assert extra["prompt_tokens_computed"] == once
+    assert server.metric("phalanx:prompt_tokens_computed_total") - before == once
+    assert len({c.message.content for c in r.choices}) > 1  # sampled, not copies
+
+
+def test_n_choices_streamed_have_their_indices_and_one_prefill(server: Server) -> None:
+    stream = _client(server).chat.completions.create(
+        model=_model(server), messages=_prompt(110, 2), n=3, temperature=0.8, max_tokens=5,
+        stream=True, stream_options={"include_usage": True})
+    texts = {0: "", 1: "", 2: ""}
+    roles, finished, usage = set(), set(), None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.add(c.index)
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert roles == finished == {0, 1, 2}
+    assert usage is not None
+    assert (usage.model_extra or {})["prompt_tokens_computed"] == \
+        usage.prompt_tokens + 2 * _tail(usage.prompt_tokens)
+
+
+def test_each_choice_samples_with_seed_plus_its_index(server: Server) -> None:
+    c, model = _client(server), _model(server)
+    ask = {"model": model, "prompt": "the seeds of", "temperature": 0.8, "max_tokens": 6}
+    many = c.completions.create(n=3, seed=40, **ask)
+    singles = [c.completions.create(seed=40 + i, **ask).choices[0].text for i in range(3)]
+    assert [x.text for x in many.choices] == singles
+    assert many.usage is not None and many.usage.prompt_tokens == \
+        c.completions.create(seed=1, **ask).usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_completions_index_choices_by_prompt_then_choice(server: Server) -> None:
+    r = _client(server).completions.create(
+        model=_model(server), prompt=["one two", "three four five"], n=2, seed=7,
+        temperature=0.8, max_tokens=3)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    singles = [_client(server).completions.create(
+        model=_model(server), prompt=p, seed=7 + j, temperature=0.8, max_tokens=3)
+        .choices[0].text for p in ("one two", "three four five") for j in range(2)]
+    assert [c.text for c in r.choices] == singles
+
+
+def test_n_beyond_the_admission_slots_is_refused_before_admission(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(server).completions.create(model=_model(server), prompt="x", n=9)
+    assert err.value.param == "n" and err.value.code == "too_many_prompts"
