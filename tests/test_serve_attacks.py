@@ -186,7 +186,8 @@ def test_a_client_sending_its_headers_slowly_is_dropped(server: Server) -> None:
 def test_openapi_describes_the_routes(server: Server) -> None:
     doc = server.client.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.1")
-    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/models",
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+            "/v1/models",
             "/health"} <= set(doc["paths"])
     seed = doc["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]
     assert {"minimum": -(2**63), "maximum": 2**63 - 1}.items() <= seed["anyOf"][0].items()

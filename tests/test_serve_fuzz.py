@@ -29,7 +29,7 @@ EXAMPLES = os.environ.get("PHALANX_FUZZ_EXAMPLES", "10")
 
 # the batches: after each, the server must still serve
 BATCHES = {
-    "generation": r"^/v1/(chat/)?completions$",
+    "generation": r"^/v1/((chat/)?completions|responses)$",
     "the rest": r"^/(tokenize|detokenize|health|metrics|v1/models)$",
 }
 

@@ -40,6 +40,8 @@ from .protocol import (
     TokenizeRequest,
     decode_request,
 )
+from .responses_api import ResponseBuilder
+from .responses_protocol import ResponsesRequest
 from .streams import Choices
 
 __all__ = ["ServeSettings", "build_app"]
@@ -326,6 +328,24 @@ class _Api:
 
         return _stream(events(), choices)
 
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``, stateless (responses_protocol.py, responses_api.py)."""
+        req = decode_request(await request.body(), ResponsesRequest)
+        self._check_model(req.model)
+        self._check_serving()
+        messages = req.messages()
+        prompt = await self._off_loop(_chars(messages), self.engine.chat_prompt, messages)
+        params = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            max_tokens=self._budget(len(prompt), req.max_output_tokens, "max_output_tokens"))
+        out = ResponseBuilder(req, self.settings.served_model_name)
+        choices = await self._start([prompt], [params], out.id)
+        if not req.stream:
+            states = await _collect(choices, 1, request)
+            return _json(out.response(states[0]))
+        return _stream(out.events(choices), choices)
+
 
 def _messages(messages: list[Any]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
@@ -421,6 +441,7 @@ def build_app(engine: EngineClient, settings: ServeSettings, metrics: Metrics, *
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),

@@ -18,6 +18,7 @@ from .protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from .responses_protocol import ResponsesRequest
 
 __all__ = ["openapi_document"]
 
@@ -27,6 +28,7 @@ _REF = "#/components/schemas/{name}"
 _POSTS: dict[str, tuple[type[msgspec.Struct], str, bool]] = {
     "/v1/completions": (CompletionRequest, "Create a completion", True),
     "/v1/chat/completions": (ChatCompletionRequest, "Create a chat completion", True),
+    "/v1/responses": (ResponsesRequest, "Create a response (stateless)", True),
     "/tokenize": (TokenizeRequest, "Tokenize a prompt or chat messages", False),
     "/detokenize": (DetokenizeRequest, "Token ids back to text", False),
 }
@@ -88,7 +90,7 @@ def openapi_document(model_name: str, auth: bool) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": f"phalanx serve: {model_name}", "version": "1",
-                 "description": "An OpenAI-compatible API (completions, chat)."},
+                 "description": "An OpenAI-compatible API (completions, chat, responses)."},
         "paths": paths,
         "components": {"schemas": schemas},
     }

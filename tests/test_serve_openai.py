@@ -1,4 +1,5 @@
-"""No request field is ignored silently, and ``n`` > 1 shares one prefill (issue 46).
+"""The OpenAI API as applications use it (issue 46): no request field is ignored
+silently, ``n`` > 1 shares one prefill, and ``POST /v1/responses``.
 
 The field table (``phalanx.serve.api.fields``) is checked against the installed
 ``openai`` package's own TypedDicts, so a field a new openai release adds fails here
@@ -19,6 +20,7 @@ import pytest
 
 from phalanx.serve.api import fields as F
 from phalanx.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from phalanx.serve.api.responses_protocol import ResponsesRequest
 from serve_util import Server, model_env, pages_prompt
 
 PAGE = 64  # the engine's page_tokens: the prefix cache's unit
@@ -59,7 +61,8 @@ def test_every_openai_field_is_honoured_refused_or_informational(
 
 
 @pytest.mark.parametrize(("kind", "fields"), [(ChatCompletionRequest, F.CHAT),
-                                              (CompletionRequest, F.COMPLETIONS)])
+                                              (CompletionRequest, F.COMPLETIONS),
+                                              (ResponsesRequest, F.RESPONSES)])
 def test_the_request_structs_declare_every_field_of_their_table(
         kind: type, fields: F.Fields) -> None:
     declared = set(kind.__struct_fields__)
@@ -104,7 +107,7 @@ def _create(s: Server, fields: F.Fields, **extra: Any) -> Any:
                               extra_body=extra)
 
 
-_ENDPOINTS = [F.CHAT, F.COMPLETIONS]
+_ENDPOINTS = [F.CHAT, F.COMPLETIONS, F.RESPONSES]
 
 
 def _refused() -> list[Any]:
@@ -208,3 +211,95 @@ def test_n_beyond_the_admission_slots_is_refused_before_admission(server: Server
     with pytest.raises(openai.BadRequestError) as err:
         _client(server).completions.create(model=_model(server), prompt="x", n=9)
     assert err.value.param == "n" and err.value.code == "too_many_prompts"
+
+
+# -- POST /v1/responses ---------------------------------------------------------------
+
+def _respond(s: Server, **kw: Any) -> Any:
+    return _client(s).responses.create(model=_model(s), temperature=0,
+                                       max_output_tokens=kw.pop("max_output_tokens", 6), **kw)
+
+
+def test_a_response_to_a_string_input(server: Server) -> None:
+    r = _respond(server, input="Tell me about the sea")
+    assert r.object == "response" and r.status == "incomplete"  # cut at 6 tokens
+    assert r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text and r.output[0].type == "message"
+    chat = _client(server).chat.completions.create(
+        model=_model(server), temperature=0, max_tokens=6,
+        messages=[{"role": "user", "content": "Tell me about the sea"}])
+    assert r.output_text == chat.choices[0].message.content  # the same prompt and text
+    assert r.usage is not None and chat.usage is not None
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == 6 and r.usage.total_tokens == r.usage.input_tokens + 6
+    assert r.usage.input_tokens_details.cached_tokens >= 0
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_items_and_instructions_are_the_chat_messages(server: Server) -> None:
+    items: list[Any] = [
+        {"role": "user", "content": "Hello there"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Hi!"}]},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "And "},
+                     {"type": "input_text", "text": "then?"}]}]
+    r = _respond(server, input=items, instructions="Be brief.")
+    chat = _client(server).chat.completions.create(
+        model=_model(server), temperature=0, max_tokens=6, messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": "Hi!"},
+            {"role": "user", "content": "And then?"}])
+    assert r.output_text == chat.choices[0].message.content
+    assert r.instructions == "Be brief."
+
+
+def test_streamed_events_are_parsed_by_the_client_and_equal_the_answer(
+        server: Server) -> None:
+    whole = _respond(server, input="Count to ten")
+    kinds: list[str] = []
+    text = ""
+    final = None
+    for event in _respond(server, input="Count to ten", stream=True):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert final is not None and final.output_text == text == whole.output_text
+    assert final.usage is not None and final.usage.output_tokens == 6
+
+
+def test_the_stream_helper_accumulates_the_answer(server: Server) -> None:
+    """``client.responses.stream``: its snapshot of the text equals the deltas."""
+    deltas, snapshot = "", ""
+    with _client(server).responses.stream(model=_model(server), input="Say hello",
+                                          temperature=0, max_output_tokens=6) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas += event.delta
+                snapshot = event.snapshot
+    assert deltas and snapshot == deltas
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+     "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input[0].content[0]"),
+])
+def test_what_a_stateless_text_server_cannot_do_is_a_400_naming_it(
+        server: Server, extra: dict[str, Any], param: str) -> None:
+    body = {"input": "hi", **extra}
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(server).responses.create(model=_model(server), **body)
+    assert err.value.param == param

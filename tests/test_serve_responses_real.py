@@ -1,0 +1,56 @@
+"""``client.responses.create`` against the real model (issue 46): the answer is right,
+and the streamed form ends with ``response.completed`` when the model stops by itself.
+
+One server: the real test model (tests/real_model.py) at TP 1, memory tier only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from real_model import fetch
+from serve_util import Server
+
+QUESTION = "What is the capital of France?"
+
+# the real model's server takes about a minute to start on 2 loaded cores
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server(str(fetch()), "--tp", "1", "--no-prefix-cache-disk")
+    yield s
+    assert s.stop() == 0
+
+
+def _client(s: Server) -> openai.OpenAI:
+    c: openai.OpenAI = s.openai()
+    return c
+
+
+def _model(s: Server) -> str:
+    return str(s.client.get("/v1/models").json()["data"][0]["id"])
+
+
+def test_the_real_model_answers_paris(server: Server) -> None:
+    r = _client(server).responses.create(model=_model(server), input=QUESTION,
+                                         temperature=0, max_output_tokens=32)
+    assert "Paris" in r.output_text
+    assert r.status == "completed" and r.usage is not None
+    again = _client(server).responses.create(model=_model(server), input=QUESTION,
+                                             temperature=0, max_output_tokens=32)
+    assert again.output_text == r.output_text
+
+
+def test_the_stream_helpers_final_response_is_the_answer(server: Server) -> None:
+    with _client(server).responses.stream(model=_model(server), input=QUESTION,
+                                          instructions="Answer in one short sentence.",
+                                          temperature=0, max_output_tokens=32) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert "Paris" in text and final.output_text == text
+    assert final.status == "completed"
