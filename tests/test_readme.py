@@ -59,6 +59,8 @@ _EXPECTED = {
     "MultiHostWorker(spec": "[6, 24]",
 }
 _LOCAL = [b for b in _python_blocks() if "127.0.0.1:8000" not in b]
+# the same for the server examples beyond the first
+_SERVER_EXPECTED = {"n=4, temperature=0.8": "[0, 1, 2, 3]"}
 
 
 @pytest.mark.parametrize("code", _LOCAL, ids=[f"example-{i}" for i in range(len(_LOCAL))])
@@ -89,7 +91,7 @@ def test_readme_server_examples_run(tmp_path: pathlib.Path) -> None:
     text = (ROOT / "README.md").read_text()
     start = text.index("```sh", text.index("## The server")) + len("```sh")
     curl = text[start:text.index("```", start)]
-    (client,) = [b for b in _python_blocks() if "127.0.0.1:8000" in b]
+    client, *more = [b for b in _python_blocks() if "127.0.0.1:8000" in b]
     s = Server("--tp", "2", "--prefix-cache-disk", str(tmp_path / "disk"),
                env=model_env(tmp_path))
     try:
@@ -102,5 +104,13 @@ def test_readme_server_examples_run(tmp_path: pathlib.Path) -> None:
                              timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1] == "0"  # nothing cached yet
+        for block in more:  # the others: each runs, and prints what it says it prints
+            out = subprocess.run([sys.executable, "-"], capture_output=True, text=True,
+                                 input=block.replace("http://127.0.0.1:8000", s.url),
+                                 timeout=120)
+            assert out.returncode == 0, out.stderr
+            for marker, expected in _SERVER_EXPECTED.items():
+                if marker in block:
+                    assert expected in out.stdout, out.stdout
     finally:
         assert s.stop() == 0
