@@ -152,6 +152,7 @@ def _tail(prompt_tokens: int) -> int:
 
 def test_n_choices_share_one_prefill(server: Server) -> None:
     before = server.metric("phalanx:prompt_tokens_computed_total")
+    hits = server.metric("phalanx:prefix_cache_hits_memory_total")
     r = _client(server).chat.completions.create(
         model=_model(server), messages=_prompt(120, 1), n=4, temperature=0.8, max_tokens=6)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
@@ -162,6 +163,9 @@ def test_n_choices_share_one_prefill(server: Server) -> None:
     once = usage.prompt_tokens + 3 * _tail(usage.prompt_tokens)
     assert extra["prompt_tokens_computed"] == once
     assert server.metric("phalanx:prompt_tokens_computed_total") - before == once
+    # ... and found the rest in the first one's pages
+    assert server.metric("phalanx:prefix_cache_hits_memory_total") - hits == \
+        3 * (usage.prompt_tokens - _tail(usage.prompt_tokens))
     assert len({c.message.content for c in r.choices}) > 1  # sampled, not copies
 
 
