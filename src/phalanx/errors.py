@@ -66,6 +66,7 @@ cross a process boundary keep their type and fields (rank, point, missing ranks)
         ├── EngineDeadError               a rank died or the engine closed: every request fails
         ├── RequestError                  one request refused or failed; the engine lives on
         │   ├── SamplingParamsError       invalid sampling parameters (ValueError)
+        │   ├── GrammarError              a structured-output grammar that cannot compile
         │   └── StepFailedError           the parent's step code failed on this request
         └── SchedulerError                an invariant of the scheduler or page pool broke
 
@@ -87,6 +88,7 @@ from phalanx.engine._errors import (
     CheckpointError,
     EngineDeadError,
     EngineError,
+    GrammarError,
     ModelConfigError,
     RequestError,
     SamplingParamsError,
@@ -171,6 +173,7 @@ __all__ = [
     "FailpointSpecError",
     "ForeignStoreError",
     "GeometryMismatchError",
+    "GrammarError",
     "HandshakeAbortedError",
     "HandshakeError",
     "HandshakeTimeoutError",

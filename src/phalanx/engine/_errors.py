@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "EngineDeadError",
     "EngineError",
+    "GrammarError",
     "ModelConfigError",
     "RequestError",
     "SamplingParamsError",
@@ -49,6 +50,11 @@ class RequestError(EngineError):
 
 class SamplingParamsError(RequestError, ValueError):
     """Sampling parameters out of range; the message names the field and value."""
+
+
+class GrammarError(RequestError, ValueError):
+    """A structured-output grammar (a JSON schema, a regex, a grammar) the engine cannot
+    compile; the message names the part (issue 46)."""
 
 
 class StepFailedError(RequestError):

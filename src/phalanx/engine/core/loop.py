@@ -27,11 +27,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+import msgspec
+
 from phalanx.lifecycle.failpoints import Failpoint
 
 from .._errors import EngineDeadError, RequestError, SchedulerError, StepFailedError
 from .connector import ConnectorStats, KVConnector
 from .executor import Executor
+from .grammar import GrammarTable
 from .outputs import IncrementalDetokenizer, Logprob, StepDelta
 from .plan import StepPlan, decode_result, encode_plan
 from .sampling import SamplingParams, StopChecker
@@ -128,6 +131,7 @@ class EngineLoop:
         # handlers and its engine thread): one step at a time, requests between steps
         self._step_lock = threading.RLock()
         self._closed = False
+        self._grammars = GrammarTable()   # what rank 0 holds of the structured outputs
 
     # -- requests ---------------------------------------------------------------------
 
@@ -250,6 +254,12 @@ class EngineLoop:
                     f"schedule (head of the queue: {w!r}; free pages "
                     f"{self.scheduler.pool.num_free})")
             return outs
+        grammars = [g for c in plan.chunks if c.sample and c.sampling.grammar is not None
+                    and (g := self._by_seq[c.seq_id].seq.params.grammar) is not None]
+        send, drop, done = self._grammars.prepare(grammars)
+        if send or drop or done:
+            plan = msgspec.structs.replace(plan, grammars=send, grammar_drop=drop,
+                                           grammar_done=done)
         try:
             _ENCODE.hit()
             payload = encode_plan(plan)
@@ -261,6 +271,7 @@ class EngineLoop:
             raw = self.executor.execute(payload, disk)
         except Exception as exc:  # noqa: BLE001  any failure of a step kills the engine
             return outs + self._die(exc, f"during step {plan.step}")
+        self._grammars.commit(grammars, drop, done)  # rank 0 applied it, loads or not
         result = decode_result(raw)
         if result.load_failures and self.connector is not None:
             self.connector.load_failed(plan, result.load_failures)  # the step ran nowhere
@@ -314,8 +325,8 @@ class EngineLoop:
         reason: FinishReason | None = None
         if p.stop_token_ids and tok in p.stop_token_ids:
             reason, seq.stop_reason = FinishReason.STOP, tok
-        elif not p.ignore_eos and tok in self.eos_token_ids:
-            reason = FinishReason.STOP
+        elif (not p.ignore_eos or p.grammar is not None) and tok in self.eos_token_ids:
+            reason = FinishReason.STOP   # under a grammar, EOS is the grammar's end
         start = len(req.output)
         if reason is None and req.detok is not None:
             req.detok.push(tok)
@@ -336,6 +347,8 @@ class EngineLoop:
     def _finish(self, req: _Request, reason: FinishReason, tokens: list[int] | None = None,
                 logprobs: list[dict[int, Logprob]] | None = None) -> StepDelta:
         self.scheduler.finish(req.seq, reason)
+        if req.seq.params.grammar is not None:
+            self._grammars.finished(req.seq.seq_id)
         self._requests.pop(req.request_id, None)
         self._by_seq.pop(req.seq.seq_id, None)
         return self._delta(req, tokens or [], logprobs)

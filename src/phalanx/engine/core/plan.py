@@ -32,7 +32,8 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     ``seed`` (None: unseeded) and ``step_index`` (the index of the output token being
     drawn) seed a per-request generator, so a seeded request draws the same tokens
     whatever else is in the batch. ``logprobs``: how many top alternatives to return
-    besides the chosen token (None: no logprobs).
+    besides the chosen token (None: no logprobs). ``grammar``: the key of the grammar the
+    token is drawn under (``engine/core/grammar.py``; None: unconstrained).
     """
 
     temperature: float = 0.0
@@ -41,6 +42,7 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     seed: int | None = None
     logprobs: int | None = None
     step_index: int = 0
+    grammar: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):
@@ -77,12 +79,19 @@ class PageSave(msgspec.Struct, frozen=True):
 
 
 class StepPlan(msgspec.Struct, frozen=True):
-    """Everything every rank does at one step, in order: loads, forward, saves."""
+    """Everything every rank does at one step, in order: loads, forward, saves.
+
+    The grammar table (rank 0's, ``worker/grammar.py``; the parent mirrors it:
+    ``core/grammar.py``'s GrammarTable): ``grammars`` key -> text, each sent once;
+    ``grammar_drop`` keys to forget; ``grammar_done`` sequences whose matchers end."""
 
     step: int
     chunks: list[SeqChunk]
     loads: list[PageLoad] = []
     saves: list[PageSave] = []
+    grammars: dict[str, str] = {}
+    grammar_drop: list[str] = []
+    grammar_done: list[int] = []
 
 
 class StepResult(msgspec.Struct, frozen=True):

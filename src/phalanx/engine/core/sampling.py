@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .._errors import SamplingParamsError
+from .grammar import Grammar
 from .plan import SamplingSpec
 
 __all__ = ["GREEDY_EPS", "SamplingParams", "StopChecker"]
@@ -29,6 +30,9 @@ class SamplingParams:
     (excluded from the text, as vLLM does); ``stop_token_ids`` and EOS (unless
     ``ignore_eos``) end it after the token (kept in ``token_ids``, not in the text).
     ``logprobs`` k returns the chosen token's logprob and the top k alternatives.
+    ``grammar`` (``core/grammar.py``'s ``compile_grammar``) constrains every token drawn
+    to its language; its end is the model's EOS, which then ends the output even with
+    ``ignore_eos``.
     """
 
     temperature: float = 1.0
@@ -42,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    grammar: Grammar | None = None
     _stops: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +91,8 @@ class SamplingParams:
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", self.logprobs, f"must be an int in [0, {MAX_LOGPROBS}] or None")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise bad("grammar", self.grammar, "must be a Grammar (compile_grammar) or None")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -104,6 +111,7 @@ class SamplingParams:
             seed=self.seed,
             logprobs=self.logprobs,
             step_index=step_index,
+            grammar=self.grammar.key if self.grammar is not None else None,
         )
 
 

@@ -121,6 +121,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """The tokenizer as Hugging Face's tokenizer.json text (for a grammar engine)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:

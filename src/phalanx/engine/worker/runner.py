@@ -35,7 +35,9 @@ from ..core.plan import SamplingSpec, StepPlan, StepResult, TokenLogprobs
 from ..model.attention import DecodeGather, build_meta
 from ..model.config import ModelConfig, load_config
 from ..model.parallel import SoloComm, TPComm
+from ..model.tokenizer import Tokenizer
 from ..model.transformer import CausalLM
+from .grammar import Matchers
 from .sampler import sample
 from .tp import intra_op_threads
 
@@ -112,6 +114,8 @@ class Runner:
         self._load_buf: torch.Tensor | None = None  # see _load_buffer
         # the decode rows' K/V kept gathered between steps (attention.DecodeGather)
         self.decode_gather = DecodeGather(decode_gather_bytes)
+        self.model_dir = str(model_dir)
+        self._matchers: Matchers | None = None   # rank 0's structured outputs (grammar.py)
         self.closed = False
 
     # -- what this rank holds ---------------------------------------------------------
@@ -182,6 +186,7 @@ class Runner:
         """Run ``plan``: copies, loads, forward, saves; rank 0 samples. If a load failed
         on any rank, no rank runs the forward or the saves: the result carries every
         failed rank's reason and no tokens."""
+        grammars = self._grammars(plan)
         failures = self._prepare(plan)
         if failures:
             return StepResult(step=plan.step, tokens={}, load_failures=failures)
@@ -193,11 +198,28 @@ class Runner:
         if rows and (self.comm.rank == 0 or self.model.embed_tokens.parallel):
             logits = self._logits(hidden)
             if self.comm.rank == 0:
-                picked, lps = sample(logits, specs)
+                allowed = grammars.allowed(seqs, specs) if grammars is not None else None
+                picked, lps = sample(logits, specs, allowed=allowed)
+                if grammars is not None:
+                    grammars.advance(seqs, specs, picked)
                 tokens = dict(zip(seqs, picked, strict=True))
                 logprobs = {s: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None}
         self._saves(plan)
         return StepResult(step=plan.step, tokens=tokens, logprobs=logprobs)
+
+    def _grammars(self, plan: StepPlan) -> Matchers | None:
+        """Rank 0's matchers with the plan's grammar table applied (built at the first
+        plan that names a grammar); None on other ranks and while none was named."""
+        if self.comm.rank != 0:
+            return None
+        if self._matchers is None:
+            if not (plan.grammars or any(c.sampling.grammar for c in plan.chunks)):
+                return None
+            tok = Tokenizer(self.model_dir)
+            self._matchers = Matchers(tok.to_json(), self.cfg.vocab_size,
+                                      self.cfg.eos_token_ids)
+        self._matchers.update(plan)
+        return self._matchers
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:

@@ -9,12 +9,16 @@ exact draw from ``p`` and needs one noise vector per row, no cumulative sums.
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits, before
 temperature and filtering), as vLLM returns by default.
+
+``allowed`` (a structured output's grammar mask, ``worker/grammar.py``) removes the
+tokens a row may not draw before temperature, top-k and top-p: the draw is from the
+model's distribution restricted to the grammar; logprobs stay the model's own.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -50,10 +54,12 @@ def _filtered_probs(row: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, specs: Sequence[SamplingSpec],
     generator: torch.Generator | None = None,
+    allowed: Mapping[int, torch.Tensor] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """The next token of each row of ``logits`` ``[rows, vocab]`` under its spec.
 
-    ``generator`` draws for unseeded rows (None: torch's default generator). Returns
+    ``generator`` draws for unseeded rows (None: torch's default generator).
+    ``allowed``: row -> bool mask [vocab] of the tokens that row may draw. Returns
     the tokens and, per row, its logprobs (None where the spec asks for none).
     """
     if logits.dim() != 2 or logits.shape[0] != len(specs):
@@ -61,17 +67,22 @@ def sample(
             f"sample: logits of shape {tuple(logits.shape)} for {len(specs)} specs"
         )
     lf = logits.float()
+    drawn = lf
+    if allowed:
+        drawn = lf.clone()
+        for r, ok in allowed.items():
+            drawn[r].masked_fill_(~ok.to(drawn.device), float("-inf"))
     if all(s.temperature < GREEDY_EPS and s.logprobs is None for s in specs):
         # a greedy batch: one argmax and one host transfer, not one .item() per row
-        return [int(t) for t in torch.argmax(lf, dim=-1).tolist()], [None] * len(specs)
+        return [int(t) for t in torch.argmax(drawn, dim=-1).tolist()], [None] * len(specs)
     # the draws and logprobs read many single values: on the host, after one transfer from
     # a GPU (not one per value), and a seed draws the same tokens whatever the device
-    lf = lf.cpu()
+    lf, drawn = lf.cpu(), drawn.cpu()
     tokens: list[int] = []
     out_lp: list[TokenLogprobs | None] = []
     logsm: torch.Tensor | None = None
     for i, spec in enumerate(specs):
-        row = lf[i]
+        row = drawn[i]
         if spec.temperature < GREEDY_EPS:
             tok = int(torch.argmax(row).item())
         else:

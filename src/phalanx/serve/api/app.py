@@ -25,10 +25,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phalanx.engine import SamplingParams
+from phalanx.engine.core.grammar import Grammar
 from phalanx.errors import EngineError, RequestError, StepFailedError
 from phalanx.lifecycle.failpoints import Failpoint
 
 from . import responses as rsp
+from . import structured
 from .engine_client import EngineClient
 from .errors import APIError, error_body
 from .metrics import Metrics
@@ -154,14 +156,16 @@ class _Api:
         return max_tokens
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                logprobs: int | None) -> list[SamplingParams]:
+                logprobs: int | None, grammar: Grammar | None = None
+                ) -> list[SamplingParams]:
         """The request's ``n`` choices' parameters: choice ``i`` samples with ``seed + i``
         (vLLM's rule), so a seeded request's choices differ and each is reproducible."""
         return [SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=None if req.seed is None else req.seed + i,
             max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, logprobs=logprobs) for i in range(req.n)]
+            ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar)
+            for i in range(req.n)]
 
     def _check_serving(self) -> None:
         """A 503 with Retry-After before any work while the engine is down or healing."""
@@ -257,11 +261,12 @@ class _Api:
                            f"--max-waiting): send fewer per request",
                            param="n" if req.n > 1 else "prompt", code="too_many_prompts")
         self._check_serving()
+        grammar = await structured.grammar_of(req.response_format, req.structured_outputs)
         texts = [p for p in given if isinstance(p, str)]
         encoded = iter(await self._off_loop(sum(map(len, texts)), self._tokenize_all, texts))
         prompts = [next(encoded) if isinstance(p, str) else p for p in given]
         params = [sp for p in prompts for sp in self._params(
-            req, self._budget(len(p), req.max_tokens, "max_tokens"), req.logprobs)]
+            req, self._budget(len(p), req.max_tokens, "max_tokens"), req.logprobs, grammar)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = req.n
         choices = await self._start(prompts, params, rid, n)
@@ -290,13 +295,15 @@ class _Api:
         req = decode_request(await request.body(), ChatCompletionRequest)
         self._check_model(req.model)
         self._check_serving()
+        grammar = await structured.grammar_of(req.response_format, req.structured_outputs)
         messages = _messages(req.messages)
         prompt = await self._off_loop(_chars(messages), self.engine.chat_prompt, messages)
         param = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
         n = req.n
-        params = self._params(req, self._budget(len(prompt), req.token_limit, param), k)
+        params = self._params(req, self._budget(len(prompt), req.token_limit, param), k,
+                              grammar)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices = await self._start([prompt], params, rid, n)
         text = self.engine.token_text

@@ -63,13 +63,13 @@ _OPENAI_ONLY = "a feature of OpenAI's hosted service; omit it"
 _INFO = frozenset({"user", "metadata", "service_tier", "safety_identifier",
                    "prompt_cache_key"})
 # vLLM's sampling extensions this server honours (docs/design.md, issue 46)
-_VLLM = frozenset({"top_k", "stop_token_ids", "ignore_eos"})
+_VLLM = frozenset({"top_k", "stop_token_ids", "ignore_eos", "structured_outputs"})
 
 CHAT = Fields(
     endpoint="chat completions",
     honoured=frozenset({"messages", "model", "max_completion_tokens", "max_tokens", "n",
                         "seed", "stop", "stream", "stream_options", "temperature",
-                        "top_p", "logprobs", "top_logprobs"}),
+                        "top_p", "logprobs", "top_logprobs", "response_format"}),
     informational=_INFO,
     refused={
         **_COMMON_REFUSED,
@@ -80,8 +80,6 @@ CHAT = Fields(
         "tools": Refused(f"tools are {_NOT_YET}", (None, [])),
         "tool_choice": Refused(f"tool_choice is {_NOT_YET}", (None, "none")),
         "parallel_tool_calls": Refused(f"parallel_tool_calls is {_NOT_YET}"),
-        "response_format": Refused(f"response_format is {_NOT_YET}",
-                                   (None, {"type": "text"})),
         "prediction": Refused("predicted outputs are not supported; omit it"),
         "reasoning_effort": Refused("the served model does not reason; omit it",
                                     (None, "none")),
@@ -108,7 +106,8 @@ COMPLETIONS = Fields(
                         (None, False)),
         "suffix": Refused("suffix (fill in the middle) is not supported", (None, "")),
     },
-    extensions=_VLLM,
+    # vLLM's completions take OpenAI chat's response_format too
+    extensions=_VLLM | {"response_format"},
 )
 
 RESPONSES = Fields(

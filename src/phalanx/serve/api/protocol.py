@@ -29,7 +29,10 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "DetokenizeRequest",
+    "JsonSchemaSpec",
+    "ResponseFormat",
     "StreamOptions",
+    "StructuredOutputs",
     "TokenizeRequest",
     "decode_request",
 ]
@@ -56,6 +59,32 @@ class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_obfuscation: bool | None = None  # informational: no obfuscation is added
 
 
+class JsonSchemaSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """``response_format.json_schema`` (OpenAI): the schema the output must match."""
+
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs``: exactly one constraint (``serve/api/structured.py``)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The fields completions and chat share (``fields.py``: what each does here)."""
 
@@ -78,6 +107,9 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     top_k: TopK = -1
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    # structured outputs (issue 46): vLLM's extension; OpenAI's response_format below
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
 
     def check_common(self) -> None:
         check_refused(self, self.FIELDS)
@@ -173,7 +205,6 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
     reasoning_effort: Any = None
-    response_format: Any = None
     safety_identifier: Any = None
     service_tier: Any = None
     store: Any = None
