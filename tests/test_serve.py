@@ -31,7 +31,9 @@ def model_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     disk = tmp_path_factory.mktemp("serve-disk")
-    s = Server("--tp", "2", "--prefix-cache-disk", str(disk), env=model_env(model_home))
+    # --no-web-ui here (the page's own tests, tests/test_serve_web.py, start one with it)
+    s = Server("--tp", "2", "--prefix-cache-disk", str(disk), "--no-web-ui",
+               env=model_env(model_home))
     yield s
     assert s.stop() == 0
 
@@ -74,6 +76,14 @@ def test_the_servers_connections_send_without_waiting_for_acks() -> None:
             await server.wait_closed()
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+def test_no_web_ui_makes_the_page_a_404_and_keeps_the_state(server: Server) -> None:
+    for path in ("/", "/web/app.js"):
+        r = server.client.get(path)
+        assert r.status_code == 404 and "no route" in r.json()["error"]["message"], r.text
+    state = server.client.get("/state")
+    assert state.status_code == 200 and state.json()["tensor_parallel_size"] == 2
 
 
 def test_completions_and_chat_through_the_openai_client(server: Server) -> None:

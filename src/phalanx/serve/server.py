@@ -27,6 +27,7 @@ from typing import Any
 
 from .api.app import ServeSettings, build_app
 from .api.metrics import Metrics
+from .api.state import ServerInfo
 from .driver import EngineDriver
 from .supervisor import Supervisor
 
@@ -64,6 +65,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     header_timeout: float = 10.0             # a request's head must arrive within this
     max_connections: int = 1024              # beyond: 503 (uvicorn's limit_concurrency)
+    web_ui: bool = True                      # GET / serves the page (False: a 404)
 
 
 def _model_dir(cfg: ServerConfig) -> Path:
@@ -74,8 +76,12 @@ def _model_dir(cfg: ServerConfig) -> Path:
     return Path(default_model_dir())
 
 
+def _disk_off(cfg: ServerConfig) -> bool:
+    return cfg.prefix_cache_disk == ""
+
+
 def _disk_dir(cfg: ServerConfig) -> str | None:
-    if cfg.prefix_cache_disk == "":
+    if _disk_off(cfg):
         return None
     path = Path(cfg.prefix_cache_disk) if cfg.prefix_cache_disk else default_cache_dir()
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -140,9 +146,14 @@ def run_server(cfg: ServerConfig, *, ready: Callable[[str], None] | None = None,
             sock = listen_socket(cfg.host, cfg.port)
             host, port = sock.getsockname()[:2]
             metrics = Metrics(name)
+            info = ServerInfo(
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                nnodes=hosts.spec.nnodes if hosts is not None else 1,
+                disk_capacity_bytes=0 if _disk_off(cfg) else cfg.prefix_cache_disk_bytes)
             settings = ServeSettings(served_model_name=name, api_key=cfg.api_key,
                                      max_body_bytes=cfg.max_body_bytes,
-                                     max_prompts=cfg.max_num_seqs + cfg.max_waiting)
+                                     max_prompts=cfg.max_num_seqs + cfg.max_waiting,
+                                     info=info, web_ui=cfg.web_ui)
             line = _ready_line(f"http://{host}:{port}", name, cfg, supervisor)
 
             @asynccontextmanager

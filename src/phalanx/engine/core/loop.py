@@ -61,6 +61,7 @@ class EngineStats:
     kv_cache_usage_perc: float
     kv_pages_total: int
     ranks_alive: int
+    rank_alive: dict[int, int]             # rank -> 1 alive, 0 dead (the web page's)
     prefix_cache_queries: int
     prefix_cache_hits_memory: int
     prefix_cache_hits_disk: int
@@ -198,12 +199,14 @@ class EngineLoop:
         memory, disk, computed = c.prompt_memory, c.prompt_disk, c.prompt_computed
         mem = self.executor.memory
         tier = self.connector
+        alive = set(self.executor.alive_ranks())
         return EngineStats(
             num_requests_running=len(sched.running),
             num_requests_waiting=len(sched.waiting),
             kv_cache_usage_perc=1.0 - pool.num_free / pool.num_pages,
             kv_pages_total=pool.num_pages,
-            ranks_alive=len(self.executor.alive_ranks()),
+            ranks_alive=len(alive),
+            rank_alive={r: int(r in alive) for r in range(self.executor.tp)},
             prefix_cache_queries=memory + disk + computed,
             prefix_cache_hits_memory=memory,
             prefix_cache_hits_disk=disk,

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -44,7 +44,9 @@ from .protocol import (
 )
 from .responses_api import ResponseBuilder
 from .responses_protocol import ResponsesRequest
+from .state import RateWindow, ServerInfo, state_document
 from .streams import Choices
+from .web import web_routes
 
 __all__ = ["ServeSettings", "build_app"]
 
@@ -66,6 +68,8 @@ class ServeSettings:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     max_prompts: int = 256   # prompts in one request: the server's admission slots
+    info: ServerInfo = field(default_factory=ServerInfo)  # what /state shows of the shape
+    web_ui: bool = True      # GET / serves the page (--no-web-ui: a 404)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -79,9 +83,14 @@ def _error(exc: APIError) -> Response:
 
 class _Guard:
     """ASGI middleware: API key (constant-time compare) and the body size limit (413),
-    both before a route reads anything."""
+    both before a route reads anything.
 
-    _OPEN = ("/health", "/metrics", "/openapi.json")
+    Open without the key: health, metrics and the state built from the same figures,
+    the API's description, and the web page's static files (they hold no data: the page
+    asks for the key and sends it on every API call it makes)."""
+
+    _OPEN = ("/health", "/metrics", "/state", "/openapi.json", "/web/")
+    _OPEN_EXACT = ("/",)
 
     def __init__(self, app: ASGIApp, settings: ServeSettings) -> None:
         self.app = app
@@ -93,7 +102,9 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.key is not None and not scope["path"].startswith(self._OPEN):
+        path = scope["path"]
+        if (self.key is not None and not path.startswith(self._OPEN)
+                and path not in self._OPEN_EXACT):
             given = headers.get(b"authorization", b"")
             expected = b"Bearer " + self.key
             if not hmac.compare_digest(given, expected):
@@ -132,6 +143,7 @@ class _Api:
         self.metrics = metrics
         self._openapi = openapi_document(settings.served_model_name,
                                          settings.api_key is not None)
+        self._rates = RateWindow()
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -226,8 +238,19 @@ class _Api:
 
     async def metrics_route(self, request: Request) -> Response:
         stats = await asyncio.to_thread(self.engine.stats)  # may ask the ranks: off the loop
-        body, content_type = self.metrics.render(stats)
+        body, content_type = self.metrics.sample(stats).render()
         return Response(body, media_type=content_type)
+
+    async def state(self, request: Request) -> Response:
+        """The page's JSON: the figures of /metrics (one Sample), the server's shape,
+        its health and rates over the last seconds (serve/api/state.py)."""
+        stats = await asyncio.to_thread(self.engine.stats)
+        sample = self.metrics.sample(stats)
+        doc = state_document(sample, self._rates.add(time.monotonic(), sample),
+                             self.settings.info, self.settings.served_model_name,
+                             self.engine.health(), self.settings.api_key is not None)
+        return Response(msgspec.json.encode(doc), media_type="application/json",
+                        headers={"Cache-Control": "no-store"})
 
     async def tokenize(self, request: Request) -> Response:
         req = decode_request(await request.body(), TokenizeRequest)
@@ -453,7 +476,9 @@ def build_app(engine: EngineClient, settings: ServeSettings, metrics: Metrics, *
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
+        Route("/state", api.state, methods=["GET"]),
         Route("/openapi.json", api.openapi, methods=["GET"]),
+        *(web_routes() if settings.web_ui else []),
     ]
 
     async def on_api_error(request: Request, exc: Exception) -> Response:

@@ -8,13 +8,20 @@ the engine's ``stats()`` at scrape time by a collector, so a scrape always shows
 present and nothing is pushed on the request path. One registry per server (never the
 process-global one), so two servers in one process, or a restart, never collide.
 
+:meth:`Metrics.sample` is the one place the figures are computed: it collects every
+family once into a :class:`Sample`. ``/metrics`` renders a sample as Prometheus text and
+``/state`` (the web page's JSON, :mod:`phalanx.serve.api.state`) reads its figures out of
+one, so the two can never disagree (issue 47).
+
 The Grafana dashboard in ``deploy/grafana/phalanx.json`` queries these names;
 ``tests/test_serve_metrics.py`` checks its queries against what the server exports.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
@@ -24,11 +31,11 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-__all__ = ["METRIC_NAMES", "Metrics"]
+__all__ = ["METRIC_NAMES", "Metrics", "Sample"]
 
 # The *_created series double every counter's lines and no dashboard reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -54,6 +61,7 @@ _ENGINE_COUNTERS = {
     "num_preemptions": "Requests preempted (their KV freed, recomputed later).",
 }
 _PER_RANK_GAUGES = {
+    "rank_alive": "1 while each rank process is alive, 0 once it died.",
     "rank_weight_bytes": "Bytes of model weights each rank holds (quantized ones as held).",
     "rank_kv_cache_bytes": "Bytes of each rank's KV pool (the memory tier).",
     "rank_resident_bytes": "Each rank process's resident set when its model was loaded.",
@@ -126,6 +134,7 @@ class Metrics:
                                      "requests.", m, registry=r)
         self.generation_tokens = Counter("phalanx:generation_tokens", "Generated tokens.", m,
                                          registry=r)
+        self._generated = self.generation_tokens.labels(self.model)
         self.client_errors = Counter("phalanx:http_client_errors", "Requests refused with a "
                                      "4xx or 503, by status.", ["status"], registry=r)
         hist = {"registry": r, "buckets": _LATENCY_BUCKETS}
@@ -138,14 +147,19 @@ class Metrics:
         self.queue = Histogram("phalanx:request_queue_time_seconds", "Time waiting before "
                                "the first step.", m, **hist)  # type: ignore[arg-type]
 
+    def generated(self, tokens: int) -> None:
+        """Tokens a request produced in one delta: counted as they stream (as vLLM counts
+        per step), so a long stream's throughput shows while it runs and an aborted
+        one's tokens count too."""
+        self._generated.inc(tokens)
+
     def client_error(self, status: int) -> None:
         self.client_errors.labels(str(status)).inc()
 
-    def finished(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None,
+    def finished(self, reason: str, prompt_tokens: int, ttft: float | None,
                  itls: list[float], e2e: float, queue: float | None) -> None:
         self.success.labels(self.model, reason).inc()
         self.prompt_tokens.labels(self.model).inc(prompt_tokens)
-        self.generation_tokens.labels(self.model).inc(output_tokens)
         if ttft is not None:
             self.ttft.labels(self.model).observe(ttft)
         for x in itls:
@@ -154,6 +168,42 @@ class Metrics:
         if queue is not None:
             self.queue.labels(self.model).observe(queue)
 
-    def render(self, engine_stats: dict[str, Any]) -> tuple[bytes, str]:
+    def sample(self, engine_stats: dict[str, Any]) -> Sample:
+        """Every figure, collected once: the request metrics as recorded and the
+        engine's ``engine_stats`` (``EngineClient.stats()``). Synchronous: two requests
+        on the event loop never interleave between setting the stats and collecting."""
         self._engine.stats = engine_stats
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return Sample(tuple(self.registry.collect()), time.time())
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The metric families of one collection and when it was taken (Unix seconds)."""
+
+    families: tuple[Metric, ...]
+    taken: float
+
+    def render(self) -> tuple[bytes, str]:
+        """Prometheus' text format and its content type (what ``/metrics`` answers)."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Frozen(self.families))
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+    def total(self, name: str) -> float:
+        """The sum of the samples named ``name`` (all labels): ``phalanx:x_total``."""
+        return sum(s.value for f in self.families for s in f.samples if s.name == name)
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """``label``'s value -> the sample, for the samples named ``name``."""
+        return {s.labels[label]: s.value for f in self.families for s in f.samples
+                if s.name == name and label in s.labels}
+
+
+class _Frozen(Collector):
+    """A collection replayed: what ``generate_latest`` renders from a Sample."""
+
+    def __init__(self, families: tuple[Metric, ...]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)

@@ -36,6 +36,8 @@ _GETS = {
     "/v1/models": ("List the served model", "application/json"),
     "/health": ("Health: 200 while every rank serves, else 503", "application/json"),
     "/metrics": ("Prometheus metrics", "text/plain"),
+    "/state": ("The server's state as JSON, from the figures of /metrics (the web page "
+               "polls it)", "application/json"),
 }
 
 

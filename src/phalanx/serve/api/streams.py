@@ -35,7 +35,6 @@ class _Timing:
         self.last: float | None = None
         self.gaps: list[float] = []
         self.prompt_tokens = 0
-        self.output_tokens = 0
 
     def saw(self, d: Delta, now: float) -> None:
         if d.token_ids:
@@ -45,7 +44,6 @@ class _Timing:
                 self.gaps.append(now - self.last)
             self.last = now
         self.prompt_tokens = d.prompt_tokens or self.prompt_tokens
-        self.output_tokens = d.output_tokens or self.output_tokens
 
 
 class Choices:
@@ -63,11 +61,12 @@ class Choices:
         now = time.monotonic()
         timing = self._timing[i]
         timing.saw(d, now)
+        if d.token_ids:
+            self._metrics.generated(len(d.token_ids))
         if d.finish_reason is not None:
             ttft = None if timing.first is None else timing.first - timing.started
-            self._metrics.finished(d.finish_reason, timing.prompt_tokens,
-                                   timing.output_tokens, ttft, timing.gaps,
-                                   now - timing.started, d.queue_time)
+            self._metrics.finished(d.finish_reason, timing.prompt_tokens, ttft,
+                                   timing.gaps, now - timing.started, d.queue_time)
 
     async def start(self) -> None:
         """Pull each choice's first delta; raises what the engine raised (before any byte

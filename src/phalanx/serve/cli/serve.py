@@ -70,6 +70,8 @@ def _embedded(size: str) -> str:
               help="seconds a connection has to send a request's headers (then 408)")
 @click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
               help="open connections; requests beyond them are answered 503")
+@click.option("--no-web-ui", is_flag=True,
+              help="no page at GET / (a 404); the API and /state are unchanged")
 @click.option("--nnodes", default=1, show_default=True, type=click.IntRange(1),
               help="hosts the ranks span (each runs tp / nnodes ranks)")
 @click.option("--node-rank", default=0, show_default=True, type=click.IntRange(0),
@@ -84,7 +86,7 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
           prefix_cache_disk: str | None, prefix_cache_disk_size: int,
           prefix_cache_max_age: float | None, no_prefix_cache_disk: bool, model_size: str,
           no_restart: bool, shutdown_timeout: float, header_timeout: float,
-          max_connections: int, nnodes: int, node_rank: int,
+          max_connections: int, no_web_ui: bool, nnodes: int, node_rank: int,
           master_addr: str, master_port: int) -> None:
     """Serve MODEL_DIR (a Hugging Face checkpoint directory or a GGUF file; the embedded
     model by default; a GGUF file's Q4_0/Q4_1/Q8_0 weights stay quantized unless --dtype
@@ -114,7 +116,7 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
         prefix_cache_disk_bytes=prefix_cache_disk_size,
         prefix_cache_max_age=prefix_cache_max_age, restart=not no_restart,
         shutdown_timeout=shutdown_timeout, header_timeout=header_timeout,
-        max_connections=max_connections,
+        max_connections=max_connections, web_ui=not no_web_ui,
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.exit(_run(cfg, disk, nnodes, node_rank, master_addr, master_port))
