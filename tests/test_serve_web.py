@@ -138,7 +138,9 @@ def test_a_question_streams_its_answer_and_a_repeat_shows_the_cached_tokens(
 
 
 def test_escape_stops_a_stream_and_the_server_aborts_it(page: Any, server: Server) -> None:
-    page.fill("#temperature", "1")
+    # greedy, this prompt runs 1,113 tokens before the embedded model's EOS: seconds
+    # here, Escape comes well before its end
+    page.fill("#temperature", "0")
     page.fill("#maxtokens", "1800")
     page.fill("#prompt", "Write a very long story.")
     page.press("#prompt", "Enter")
@@ -152,10 +154,16 @@ def test_escape_stops_a_stream_and_the_server_aborts_it(page: Any, server: Serve
         "() => [...document.querySelectorAll('.msg.assistant')].pop().dataset.state"
         " !== 'streaming'")
     assert answer.get_attribute("data-state") == "stopped"
-    # the server aborted it: nothing runs, on the page and in /metrics
-    page.locator("#running").filter(has_text="0").wait_for()
-    assert server.metric("phalanx:num_requests_running") == 0
     assert answer.get_attribute("data-finish") is None  # it did not run to its end
+    # A clock that does not depend on the machine's speed: a request of 100 tokens run
+    # beside it. Not aborted, the stopped one (1,113 tokens, a few dozen in) would still
+    # run when this one is done; aborted, it left the batch steps ago.
+    server.openai(KEY).completions.create(
+        model="phalanx-tiny", prompt="a clock", max_tokens=100, temperature=0,
+        extra_body={"ignore_eos": True})
+    wait_for(lambda: server.metric("phalanx:num_requests_running") == 0, 2,
+             "the stopped stream to have left the batch")
+    page.locator("#running").filter(has_text="0").wait_for()  # and the page shows it
 
 
 def test_a_killed_rank_turns_dead_then_alive_after_the_heal(page: Any, server: Server) -> None:
@@ -223,3 +231,28 @@ def test_the_markdown_renderer_escapes_everything(page: Any) -> None:
     assert out["links"] == ["https://example.org/"], out["links"]
     assert out["h1"] == "Title <b>x</b>" and out["strong"] == "bold" and out["items"] == 2
     assert "&lt;img" in out["html"]
+
+
+def test_the_rates_are_over_the_window_and_restart_with_the_engine() -> None:
+    """/state's rates from the Samples /metrics renders (no server: the Metrics and the
+    window as the app holds them)."""
+    from phalanx.serve.api.metrics import Metrics
+    from phalanx.serve.api.state import RateWindow
+
+    metrics, window = Metrics("m"), RateWindow(window_s=10)
+    stats = {"prefix_cache_queries": 0, "prefix_cache_hits_memory": 0}
+    assert window.add(0.0, metrics.sample(stats))["tokens_per_s"] is None  # one point
+    metrics.generated(50)
+    rates = window.add(5.0, metrics.sample({"prefix_cache_queries": 200,
+                                            "prefix_cache_hits_memory": 50}))
+    assert rates["tokens_per_s"] == 10 and rates["hit_rate_memory"] == 0.25
+    metrics.generated(30)
+    rates = window.add(20.0, metrics.sample({"prefix_cache_queries": 200,
+                                             "prefix_cache_hits_memory": 50}))
+    assert rates["tokens_per_s"] == 2 and rates["hit_rate_memory"] is None  # 5 s .. 20 s
+    # a restarted engine counts its cache from 0: a new window, never a negative rate
+    rates = window.add(21.0, metrics.sample({"prefix_cache_queries": 10,
+                                             "prefix_cache_hits_memory": 0}))
+    assert rates["tokens_per_s"] is None and rates["window_s"] == 0
+    body, _ = metrics.sample({"prefix_cache_queries": 10}).render()
+    assert b'phalanx:generation_tokens_total{model_name="m"} 80.0' in body

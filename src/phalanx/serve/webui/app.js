@@ -264,7 +264,7 @@
     const d = s.disk_tier;
     showTier("tier-memory", pct(m.usage) + " of KV pages", m.hit_rate, s.rates.hit_rate_memory,
       m.hit_tokens);
-    showTier("tier-disk", d.enabled ? d.records_per_rank + " records, " + bytes(d.bytes_per_rank)
+    showTier("tier-disk", d.enabled ? d.records_per_rank + (d.records_per_rank === 1 ? " record, " : " records, ") + bytes(d.bytes_per_rank)
       + " of " + bytes(d.capacity_bytes_per_rank) + " per rank" : "off", d.hit_rate,
       s.rates.hit_rate_disk, d.hit_tokens);
     $("running").textContent = String(s.requests.running);
