@@ -188,7 +188,7 @@ def test_openapi_describes_the_routes(server: Server) -> None:
     assert doc["openapi"].startswith("3.1")
     assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
             "/v1/models",
-            "/health"} <= set(doc["paths"])
+            "/health", "/state"} <= set(doc["paths"])
     seed = doc["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]
     assert {"minimum": -(2**63), "maximum": 2**63 - 1}.items() <= seed["anyOf"][0].items()
 
