@@ -11,6 +11,7 @@ One server (TP 1, the embedded model, memory tier only) answers them all.
 
 from __future__ import annotations
 
+import json
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -220,7 +221,7 @@ def test_n_beyond_the_admission_slots_is_refused_before_admission(server: Server
 # -- POST /v1/responses ---------------------------------------------------------------
 
 def _respond(s: Server, **kw: Any) -> Any:
-    return _client(s).responses.create(model=_model(s), temperature=0,
+    return _client(s).responses.create(model=_model(s), temperature=kw.pop("temperature", 0),
                                        max_output_tokens=kw.pop("max_output_tokens", 6), **kw)
 
 
@@ -280,6 +281,29 @@ def test_streamed_events_are_parsed_by_the_client_and_equal_the_answer(
     assert final.usage is not None and final.usage.output_tokens == 6
 
 
+# a value, not an object: the grammar lets JSON have whitespace between an object's
+# tokens, and the embedded (random) model fills max_output_tokens with it; the real
+# model's objects: tests/test_serve_responses_real.py
+CHOICE = {"enum": ["red", "green", "blue"]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_text_format_json_schema_is_enforced(server: Server, stream: bool) -> None:
+    fmt = {"type": "json_schema", "name": "choice", "schema": CHOICE, "strict": True}
+    if stream:
+        with _client(server).responses.stream(model=_model(server), input="Pick a colour",
+                                              text={"format": fmt},  # type: ignore[typeddict-item]
+                                              temperature=0,
+                                              max_output_tokens=40) as events:
+            r = events.get_final_response()
+    else:
+        r = _respond(server, input="Pick a colour", text={"format": fmt}, max_output_tokens=40)
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    assert json.loads(r.output_text) in CHOICE["enum"]
+    free = _respond(server, input="Pick a colour", max_output_tokens=40)
+    assert free.output_text != r.output_text  # (free text is not that)
+
+
 def test_the_stream_helper_accumulates_the_answer(server: Server) -> None:
     """``client.responses.stream``: its snapshot of the text equals the deltas."""
     deltas, snapshot = "", ""
@@ -295,7 +319,11 @@ def test_the_stream_helper_accumulates_the_answer(server: Server) -> None:
 @pytest.mark.parametrize(("extra", "param"), [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "bad", "schema": {
+        "type": "object", "properties": {"n": {"type": "frobnicate"}}}}}},
+     "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strictly": 1}}},
+     "text.format.strictly"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
      "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},

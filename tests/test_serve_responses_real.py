@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from real_model import fetch
 from serve_util import Server
@@ -54,3 +55,22 @@ def test_the_stream_helpers_final_response_is_the_answer(server: Server) -> None
         final = stream.get_final_response()
     assert "Paris" in text and final.output_text == text
     assert final.status == "completed"
+
+
+class City(BaseModel):
+    city: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+
+
+def test_parse_with_a_text_format_gives_a_validated_object(server: Server) -> None:
+    r = _client(server).responses.parse(model=_model(server), input=QUESTION,
+                                        text_format=City, temperature=0,
+                                        max_output_tokens=48)
+    assert r.status == "completed"
+    parsed = r.output_parsed
+    assert isinstance(parsed, City) and "Paris" in parsed.city
+    with _client(server).responses.stream(model=_model(server), input=QUESTION,
+                                          text_format=City, temperature=0,
+                                          max_output_tokens=48) as stream:
+        final = stream.get_final_response()
+    assert final.output_parsed == parsed

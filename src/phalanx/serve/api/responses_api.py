@@ -56,7 +56,7 @@ class ResponseBuilder:
             "output": [self.message(state)] if done and state is not None else [],
             "parallel_tool_calls": False, "previous_response_id": None, "reasoning": None,
             "store": False, "temperature": 1.0 if r.temperature is None else r.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [],
+            "text": {"format": _format(r)}, "tool_choice": "none", "tools": [],
             "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": "disabled",
             "usage": _usage(state) if done and state is not None else None,
             "user": r.user, "service_tier": "default",
@@ -103,6 +103,14 @@ class ResponseBuilder:
         kind = "response.incomplete" if final["status"] == "incomplete" \
             else "response.completed"
         yield self.event(kind, response=final)
+
+
+def _format(req: ResponsesRequest) -> JSON:
+    """The request's ``text.format``, echoed as OpenAI echoes it."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None:
+        return {"type": "text"}
+    return {k: v for k, v in msgspec.structs.asdict(fmt).items() if v is not None}
 
 
 def _part(text: str) -> JSON:

@@ -6,30 +6,43 @@ Stateless: nothing is stored, so ``store: true``, ``previous_response_id``,
 sends the whole conversation as input items. ``input`` is a string (one user message)
 or a list of items: messages (``{"role", "content"}`` with or without
 ``"type": "message"``; content a string or ``input_text`` / ``output_text`` parts).
-``instructions`` goes first, as a system message, as OpenAI inserts it.
+``instructions`` goes first, as a system message, as OpenAI inserts it. ``text.format``
+(``json_object``, or ``json_schema`` with its ``name``, ``schema`` and ``strict`` inline)
+is chat's ``response_format`` under another shape: :meth:`ResponsesRequest.response_format`
+turns it into that, for the same grammar (``structured.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
 from .errors import APIError
 from .fields import RESPONSES, Fields, check_refused
-from .protocol import PositiveInt, Temperature, TopP
+from .protocol import JsonSchemaSpec, PositiveInt, ResponseFormat, Temperature, TopP
 
-__all__ = ["ResponsesRequest", "ResponsesStreamOptions", "ResponsesText"]
+__all__ = ["ResponsesRequest", "ResponsesStreamOptions", "ResponsesText", "TextFormat"]
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 _NOT_YET = "not supported yet (issue 46's tool calls)"
 
 
-class ResponsesText(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``text``: the output's format (plain text here) and verbosity (refused)."""
+class TextFormat(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``text.format``: plain text, any JSON object, or JSON matching ``schema``."""
 
-    format: dict[str, Any] | None = None
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesText(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``text``: the output's format and verbosity (refused)."""
+
+    format: TextFormat | None = None
     verbosity: Any = None
 
 
@@ -87,18 +100,22 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true",
                            param="stream_options")
-        if self.text is not None:
-            fmt = self.text.format
-            if fmt is not None and fmt.get("type") != "text":
-                raise APIError(400, f"text.format of type {fmt.get('type')!r} is not "
-                               f"supported yet (issue 46's structured outputs); send "
-                               f"{{\"type\": \"text\"}} or omit it", param="text.format",
-                               code="unsupported_field")
-            if self.text.verbosity not in (None, "medium"):
-                raise APIError(400, "text.verbosity is not supported: the served model "
-                               "takes no verbosity; omit it", param="text.verbosity",
-                               code="unsupported_field")
+        if self.text is not None and self.text.verbosity not in (None, "medium"):
+            raise APIError(400, "text.verbosity is not supported: the served model takes "
+                           "no verbosity; omit it", param="text.verbosity",
+                           code="unsupported_field")
         self.messages()  # every item is understood, before admission
+
+    def response_format(self) -> ResponseFormat | None:
+        """``text.format`` as chat's ``response_format`` (None: free text)."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return ResponseFormat(type="json_object")
+        return ResponseFormat(type="json_schema", json_schema=JsonSchemaSpec(
+            name=fmt.name or "response", description=fmt.description, schema=fmt.schema,
+            strict=fmt.strict))
 
     def messages(self) -> list[dict[str, str]]:
         """The chat messages this request stands for: instructions, then the input."""
