@@ -131,7 +131,11 @@ def _raw(path: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("edit", "field", "value"), [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures", "GPT2LMHeadModel"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type", "yarn"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "original_max_position_embeddings", "None"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0],
+                          "long_factor": [1.0], "original_max_position_embeddings": 64}},
+     "short_factor", "[1.0]"),
     ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      "rope_type", "dynamic"),
     ({"hidden_act": "gelu"}, "hidden_act", "gelu"),
@@ -146,17 +150,19 @@ def test_refusals_name_field_and_value(checkpoints: dict[str, Path], edit: dict[
     assert field in str(info.value) and value in str(info.value)
 
 
-def test_sliding_window_shorter_than_context_is_refused(checkpoints: dict[str, Path]) -> None:
+def test_sliding_windows_are_read_per_family(checkpoints: dict[str, Path]) -> None:
+    """A window shorter than the context is honoured (masked; issue 44), on the layers the
+    family's config puts it on."""
     raw = _raw(checkpoints["mistral-mqa-linear"]) | {"sliding_window": 64}
-    with pytest.raises(ModelConfigError, match=r"sliding_window=64.*128"):
-        ModelConfig.from_dict(raw)
-    # a window as long as the context served is honoured exactly by full attention
-    assert ModelConfig.from_dict(raw, max_model_len=64).max_model_len == 64
-    # Qwen2's window applies only with use_sliding_window
-    qwen = _raw(checkpoints["qwen2-tied-bias"]) | {"sliding_window": 16}
-    ModelConfig.from_dict(qwen)
-    with pytest.raises(ModelConfigError, match="sliding_window=16"):
-        ModelConfig.from_dict(qwen | {"use_sliding_window": True})
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.sliding_window == 64 and cfg.layer_sliding == (True, True)
+    # Qwen2's window applies only with use_sliding_window, from max_window_layers on
+    qwen = _raw(checkpoints["qwen2-tied-bias"]) | {"sliding_window": 16, "layer_types": None}
+    assert ModelConfig.from_dict(qwen).sliding_window is None
+    on = ModelConfig.from_dict(qwen | {"use_sliding_window": True, "max_window_layers": 1})
+    assert on.sliding_window == 16 and on.layer_sliding == (False, True)
+    with pytest.raises(ModelConfigError, match="sliding_window=0"):
+        ModelConfig.from_dict(raw | {"sliding_window": 0})
 
 
 def test_rope_fields_of_both_transformers_versions(checkpoints: dict[str, Path]) -> None:
@@ -189,16 +195,17 @@ def test_missing_tensor_is_named(checkpoints: dict[str, Path], tmp_path: Path) -
 def test_rotary_tables_grow_on_demand(checkpoints: dict[str, Path]) -> None:
     """A long-context config tables only the positions used; grown rows equal the rows a
     full table would hold (llama3 scaling included)."""
-    from phalanx.engine.model.layers import Rotary, rope_inv_freq
+    from phalanx.engine.model.rope import Rotary, rope_inv_freq
 
     raw = _raw(checkpoints["llama-tied-mha-llama3"]) | {"max_position_embeddings": 100_000}
     cfg = ModelConfig.from_dict(raw)
-    rot = Rotary(cfg, torch.float32)
+    rot = Rotary(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim, cfg.max_model_len,
+                 torch.float32)
     assert rot.cos.shape[0] == 4096
     rot.ensure(9000)
     assert 9000 <= rot.cos.shape[0] <= 100_000
     pos = torch.tensor([0.0, 4095.0, 8999.0])
-    freqs = pos[:, None] * rope_inv_freq(cfg)[None, :]
+    freqs = pos[:, None] * rope_inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling)[0][None, :]
     want = torch.cat((freqs, freqs), dim=-1)
     assert torch.equal(rot.cos[[0, 4095, 8999]], want.cos())
     assert torch.equal(rot.sin[[0, 4095, 8999]], want.sin())

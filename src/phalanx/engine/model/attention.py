@@ -43,6 +43,9 @@ class ChunkMeta:
     block_table: torch.Tensor          # LongTensor of page ids covering [0, start_pos + q_len)
     kv_index: torch.Tensor | None = None  # [2 * pages] rows of the pool viewed [pages * 2, -1]
     mask: torch.Tensor | None = None   # [q_len, ctx] additive float (prefill, start_pos > 0)
+    # additive masks of sliding-window layers and softcapped ones, by window (0: none),
+    # built at the first layer that needs one and shared by the rest of the step
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def context(self) -> int:
@@ -64,6 +67,35 @@ class AttnMeta:
     decode_kv_index: torch.Tensor | None = None  # [B * 2 * max_pages] (see _kv_rows)
     decode_pos: torch.Tensor | None = None     # [B] position of each decode row's new token
     decode_gather: DecodeGather | None = None  # kept gathers (see DecodeGather.begin)
+    decode_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window
+    mask_dtype: torch.dtype = torch.float32   # the queries' (build_meta's dtype)
+
+    def chunk_mask(self, m: ChunkMeta, window: int) -> torch.Tensor | None:
+        """A prefill chunk's additive mask for a layer that sees the last ``window``
+        positions (0: all): query at position p sees keys (p - window, p]. None: plain
+        causal from position 0 (SDPA's is_causal)."""
+        if window == 0 or window >= m.context:
+            return m.mask
+        mask = m.masks.get(window)
+        if mask is None:
+            dtype = self.mask_dtype
+            qpos = torch.arange(m.start_pos, m.context, device=m.block_table.device).unsqueeze(1)
+            keys = torch.arange(m.context, device=qpos.device).unsqueeze(0)
+            sees = (keys <= qpos) & (keys > qpos - window)
+            mask = m.masks[window] = _additive(sees.cpu(), dtype).to(qpos.device)
+        return mask
+
+    def decode_window_mask(self, window: int) -> torch.Tensor | None:
+        """The decode rows' mask for a layer that sees the last ``window`` positions."""
+        base = self.decode_mask
+        if window == 0 or base is None or self.decode_pos is None:
+            return base
+        mask = self.decode_masks.get(window)
+        if mask is None:
+            keys = torch.arange(base.shape[-1], device=base.device).view(1, 1, 1, -1)
+            old = keys <= (self.decode_pos.view(-1, 1, 1, 1) - window)
+            mask = self.decode_masks[window] = base.masked_fill(old, float("-inf"))
+        return mask
 
     def to(self, device: torch.device | str) -> None:
         """Move every tensor to ``device`` (in place)."""
@@ -110,7 +142,7 @@ def build_meta(chunks: list[tuple[int, int, list[int]]], page_tokens: int,
         metas.append(m)
         q += n
     meta = AttnMeta(page_tokens, metas, torch.tensor(pages, dtype=torch.long),
-                    torch.tensor(slots, dtype=torch.long))
+                    torch.tensor(slots, dtype=torch.long), mask_dtype=dtype)
     decode = [m for m in metas if m.q_len == 1]
     meta.prefill = [m for m in metas if m.q_len > 1]
     if decode:
@@ -197,12 +229,37 @@ def _kv_rows(pages: torch.Tensor) -> torch.Tensor:
     return (pages * 2).unsqueeze(1) + torch.tensor([0, 1], dtype=torch.long).view(1, 2, 1)
 
 
+def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+            mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA, or with the scores soft-capped (``cap * tanh(s / cap)``, Gemma 2), which SDPA
+    cannot do: the same math written out. ``keys``/``vals`` have q's heads or divide
+    them (GQA); ``mask`` None means causal from position 0."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, keys, vals, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=q.shape[-3] != keys.shape[-3])
+    if q.shape[-3] != keys.shape[-3]:
+        rep = q.shape[-3] // keys.shape[-3]
+        keys = keys.repeat_interleave(rep, dim=-3)
+        vals = vals.repeat_interleave(rep, dim=-3)
+    s = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        n, ctx = q.shape[-2], keys.shape[-2]
+        mask = _additive(torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n),
+                         s.dtype)
+    s = s + mask
+    return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), vals)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                    meta: AttnMeta, scale: float, layer: int = 0, layers: int = 1
-                    ) -> torch.Tensor:
+                    meta: AttnMeta, scale: float, layer: int = 0, layers: int = 1,
+                    window: int = 0, softcap: float | None = None) -> torch.Tensor:
     """Write ``k``/``v`` [T, kv_heads, d] into ``kv``'s pages (layer ``layer`` of
-    ``layers``), attend ``q`` [T, heads, d] causally over each chunk's context; returns
-    [T, heads, d]."""
+    ``layers``), attend ``q`` [T, heads, d] causally over each chunk's context (its last
+    ``window`` positions where a sliding-window layer gives one); returns [T, heads, d].
+    Every position stays in the pages: a sliding layer masks the old ones (its KV costs
+    what a full layer's does; docs/design.md, "Issue 44: architectures")."""
     kv[meta.write_pages, 0, meta.write_slots] = k
     kv[meta.write_pages, 1, meta.write_slots] = v
     out = torch.empty_like(q)
@@ -216,9 +273,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
         keys = g[0, :ctx].transpose(0, 1)
         vals = g[1, :ctx].transpose(0, 1)
         qc = q[m.q_start:m.q_start + m.q_len].transpose(0, 1)
-        o = F.scaled_dot_product_attention(
-            qc.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=m.mask,
-            is_causal=m.mask is None, scale=scale, enable_gqa=heads != kv_heads)
+        o = _attend(qc.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0),
+                    meta.chunk_mask(m, window), scale, softcap)
         out[m.q_start:m.q_start + m.q_len] = o[0].transpose(0, 1)
     if meta.decode_pages is not None:
         b = meta.decode_pages.shape[0]
@@ -247,7 +303,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
         # 1,024 in bfloat16 (SmolLM2's 9 / 3 heads), this 60 us and 80 us
         # (docs/design.md, "Decode at batch 1")
         qd = q[rows].view(b, kv_heads, heads // kv_heads, d)
-        o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=meta.decode_mask,
-                                           scale=scale)
+        o = _attend(qd, keys, vals, meta.decode_window_mask(window), scale, softcap)
         out[rows] = o.reshape(b, heads, d)
     return out

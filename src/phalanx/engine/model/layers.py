@@ -10,7 +10,6 @@ side so one matmul computes them all.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,15 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import CheckpointError
-from .config import ModelConfig
 from .quant import Int4Matmul, QuantRows, QuantTensor, compatible
 
 if TYPE_CHECKING:
     from .parallel import TPComm
     from .weights import WeightSource as Checkpoint
 
-__all__ = ["LMHead", "ParallelLinear", "Part", "RMSNorm", "Rotary", "VocabEmbedding",
-           "rope_inv_freq"]
+__all__ = ["LMHead", "ParallelLinear", "Part", "RMSNorm", "VocabEmbedding"]
 
 
 @dataclass(frozen=True)
@@ -147,12 +144,16 @@ def _copy(dst: torch.Tensor, src: torch.Tensor | None, name: str) -> None:
 
 
 class RMSNorm(torch.nn.Module):
-    """Root-mean-square norm, computed in float32 as transformers does."""
+    """Root-mean-square norm, computed in float32 as transformers does. ``offset`` 1 scales
+    by ``1 + w`` (Gemma's checkpoints store the weight that way), in float32 before the
+    cast back, as transformers' Gemma norms do."""
 
-    def __init__(self, name: str, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, name: str, size: int, eps: float, dtype: torch.dtype,
+                 offset: float = 0.0) -> None:
         super().__init__()
         self.name = name
         self.eps = eps
+        self.offset = offset
         self.weight = torch.nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
     def load(self, ckpt: Checkpoint) -> None:
@@ -162,73 +163,9 @@ class RMSNorm(torch.nn.Module):
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.offset + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """The rotary inverse frequencies, with ``rope_scaling`` applied (float32)."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if cfg.rope_freq_factors is not None:
-        return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
-    s = cfg.rope_scaling
-    if s is None:
-        return inv
-    if s.rope_type == "linear":
-        return inv / s.factor
-    # llama3: low frequencies slowed by `factor`, high ones kept, a smooth blend between.
-    old = s.original_max_position_embeddings
-    low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-class Rotary(torch.nn.Module):
-    """Rotary position embedding (the rotate-half form Hugging Face checkpoints use),
-    with cos/sin tabled for every position up to ``max_model_len``."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.inv_freq = rope_inv_freq(cfg)
-        self.dtype = dtype
-        self.limit = cfg.max_model_len
-        # buffers, so that moving the model to a device moves the tables with it
-        self.register_buffer("cos", torch.empty(0, cfg.head_dim, dtype=dtype), persistent=False)
-        self.register_buffer("sin", torch.empty(0, cfg.head_dim, dtype=dtype), persistent=False)
-        self.ensure(min(self.limit, 4096))
-
-    def ensure(self, positions: int) -> None:
-        """Table at least ``positions`` positions. Tables grow by doubling up to
-        ``max_model_len``: a 128k-context config does not cost 128k rows until it is used.
-        A row's values do not depend on the table's length."""
-        have = self.cos.shape[0]
-        if positions <= have:
-            return
-        n = min(self.limit, max(positions, 2 * have))
-        pos = torch.arange(n, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=self.cos.device, dtype=self.dtype)
-        self.sin = emb.sin().to(device=self.sin.device, dtype=self.dtype)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` [T, heads, d], ``k`` [T, kv_heads, d] rotated to ``positions`` [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class VocabEmbedding(torch.nn.Module):
