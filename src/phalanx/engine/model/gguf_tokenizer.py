@@ -31,6 +31,11 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
            r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
           r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GPT-4o's split (o200k; Phi-4-mini's tokenizer.json), as llama.cpp's GPT4O pre type
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+          r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}|"
+          r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> (the split before byte-level BPE, NFC first, ignore_merges)
 _PRE: dict[str, tuple[str, bool, bool]] = {
     "default": ("gpt2", False, False), "gpt2": ("gpt2", False, False),
@@ -39,6 +44,7 @@ _PRE: dict[str, tuple[str, bool, bool]] = {
     "llama3": ("llama3", False, True), "llama-bpe": ("llama3", False, True),
     "llama-v3": ("llama3", False, True), "smaug-bpe": ("llama3", False, True),
     "qwen2": ("qwen2", True, False), "deepseek-r1-qwen": ("qwen2", True, False),
+    "gpt-4o": ("gpt4o", False, False),
 }
 
 
@@ -108,7 +114,7 @@ def _byte_level(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
-        regex = _LLAMA3 if split == "llama3" else _QWEN2
+        regex = {"llama3": _LLAMA3, "qwen2": _QWEN2, "gpt4o": _GPT4O}[split]
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
