@@ -145,8 +145,8 @@ def test_bad_models_are_refused_at_start_in_one_line(gguf_path: Path,
 
     truncated = tmp_path / "cut.gguf"
     truncated.write_bytes(gguf_path.read_bytes()[:50_000_000])
-    foreign = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(foreign), "phi3")
+    foreign = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(foreign), "falcon")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
     w.write_header_to_file()
@@ -159,7 +159,7 @@ def test_bad_models_are_refused_at_start_in_one_line(gguf_path: Path,
         '{"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, '
         '"intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}')
     cases = [([str(truncated), "--tp", "1"], "truncated"),
-             ([str(foreign), "--tp", "1"], "general.architecture='phi3'"),
+             ([str(foreign), "--tp", "1"], "general.architecture='falcon'"),
              ([str(no_tokenizer), "--tp", "1"], "no tokenizer.json"),
              ([str(gguf_path), "--tp", "2"], "valid sizes: 1, 3")]
     for args, why in cases:
