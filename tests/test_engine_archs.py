@@ -249,3 +249,32 @@ def _raw(path: Path) -> dict[str, Any]:
     import json
 
     return dict(json.loads((path / "config.json").read_text()))
+
+
+def test_quantized_experts_stay_quantized(ggufs: dict[str, Path], tmp_path: Path) -> None:
+    """Mixtral requantized to Q8_0 by llama-quantize: every expert's projections keep
+    their blocks (the int4/planes kernels), the rank holds less than the dense model,
+    and the first greedy token of each prompt is the float32 model's."""
+    import subprocess
+
+    from phalanx_bench.llamacpp_build import quantize_path
+
+    tool = quantize_path()
+    if not tool.exists():
+        pytest.skip(f"no llama-quantize at {tool}: bench/setup_llamacpp.sh builds it")
+    q8 = tmp_path / "mixtral-q8_0.gguf"
+    subprocess.run([str(tool), str(ggufs["mixtral"]), str(q8), "Q8_0"], check=True,
+                   capture_output=True, timeout=120)
+    dense = Runner(ggufs["mixtral"], num_pages=PAGES, page_tokens=PAGE_TOKENS, threads=1)
+    runner = Runner(q8, num_pages=PAGES, page_tokens=PAGE_TOKENS, threads=1)
+    try:
+        experts = [e for layer in runner.model.layers for e in layer.mlp.experts]
+        assert experts and all(e.gate_up_proj.qmm is not None and
+                               e.down_proj.qmm is not None for e in experts)
+        assert runner.memory().weight_bytes < dense.memory().weight_bytes / 2
+        first = [t[0] for t in engine_generate_batch(runner, BATCH, new_tokens=1)]
+        assert first == [t[0] for t in engine_generate_batch(dense, BATCH, new_tokens=1)]
+    finally:
+        runner.close()
+        dense.close()
+        forget_gguf_files()
