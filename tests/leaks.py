@@ -2,6 +2,12 @@
 
 Used by the session fixture in conftest.py (the suite fails on anything left behind)
 and by tests that assert a loop of work stays flat.
+
+/dev/shm is the machine's, not the session's: the suite runs in two pytest-xdist
+workers (and other sessions may run beside it), so a segment that a process outside
+this process's tree holds (mapped or open) is that process's, not ours, and is left out.
+A segment nobody holds is counted wherever it shows: a leak fails the run even if
+the other worker made it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,33 @@ def _files_under(root: Path) -> frozenset[str]:
         for name in filenames + dirnames:
             out.append(os.path.relpath(os.path.join(dirpath, name), root))
     return frozenset(out)
+
+
+def _held_by_others() -> set[str]:
+    """/dev/shm names mapped or open in a process outside this one's tree."""
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    held: set[str] = set()
+    for pid in psutil.pids():
+        if pid in ours:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    i = line.find("/dev/shm/")
+                    if i >= 0:
+                        held.add(line[i + 9:].rstrip("\n").removesuffix(" (deleted)"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[9:])
+        except OSError:
+            continue  # gone, or not ours to read
+    return held
+
+
+def shm_names() -> frozenset[str]:
+    """This process tree's view of /dev/shm: every name but those others hold."""
+    return frozenset(set(os.listdir("/dev/shm")) - _held_by_others())
 
 
 def _fds() -> frozenset[str]:
@@ -64,7 +97,7 @@ class Snapshot:
             children=frozenset(kids),
             fds=_fds(),
             threads=frozenset(f"{t.name}#{t.ident}" for t in threading.enumerate()),
-            shm=frozenset(os.listdir("/dev/shm")),
+            shm=shm_names(),
             runtime_files=_files_under(default_runtime_dir()),
             extra_dirs={str(d): _files_under(d) for d in dirs},
         )

@@ -36,7 +36,8 @@ def _sample(w: phalanx.Worker, runtime_dir: Path) -> dict[str, int]:
     return {
         "fds": parent.num_fds() + sum(r[0] for r in ranks),
         "threads": threading.active_count() + sum(r[1] for r in ranks),
-        "shm": len(os.listdir("/dev/shm")),
+        # this Worker's segments: the rest of /dev/shm is the other xdist worker's too
+        "shm": sum(n.startswith(f"phx-{w.generation}-") for n in os.listdir("/dev/shm")),
         "runtime_files": len(_files_under(runtime_dir)),
         "rss_mb": (parent.memory_info().rss + sum(r[2] for r in ranks)) >> 20,
         "owned": w.stats().extra["parent_resources"]["owned"],

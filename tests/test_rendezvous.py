@@ -148,12 +148,28 @@ def test_abort_wakes_waiters_and_refuses_late_arrivals(backend: str, tmp_path: P
         assert purged == 0
 
 
+def _arrivals(alloc_id: int, tag: str) -> int:
+    """The arrivals counted in the store backend's key of a handshake (read on a rank)."""
+    backend = current.backend()
+    assert isinstance(backend, StoreBackend)
+    store = backend._pool.take()
+    key = backend._where(tag, alloc_id, 0).key
+    try:  # read, never add: a write to the key wakes its waiters
+        return int(store.get(key)) & 0x7F if store.check([key]) else 0
+    finally:
+        backend._pool.give(store)
+
+
 def test_store_rank_that_times_out_tells_the_others(tmp_path: Path) -> None:
     """A rank that gives up at its deadline has taken its arrival back, so the barrier
     can never complete: it wakes the others (aborted) instead of leaving them to wait
     out their own, much longer, timeouts."""
     def orch(o: phalanx.Orchestrator) -> tuple[str, list[int]]:
         waiting = o.submit(1, _wait_for_abort, 88, [0, 1, 2])  # 120 s timeout
+        # rank 0's 1 s starts once rank 1 is in: a loaded machine can take longer than
+        # that to start rank 1's task, and then two would be missing, not one
+        wait_for(lambda: o.submit(0, _arrivals, 88, "alloc").result() == 1, 60,
+                 "rank 1's arrival in the store")
         with pytest.raises(HandshakeTimeoutError, match="never arrived") as info:
             o.submit(0, handshake, "alloc", 88, [0, 1, 2], 1.0).result()
         return waiting.result(), info.value.missing
