@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from phalanx.engine._errors import SchedulerError
-from phalanx.engine.core.kv_pages import PagePool
+from phalanx.engine.core.kv_pages import ROOT, PagePool
 from phalanx.kvstore.keys import fingerprint_digest, page_keys
 
 FP = fingerprint_digest("test-model")
@@ -13,6 +13,13 @@ FP = fingerprint_digest("test-model")
 
 def keys_of(tokens: list[int], pt: int = 4) -> list[bytes]:
     return page_keys(tokens, pt, FP)
+
+
+def register_chain(pool: PagePool, pages: list[int], tokens: list[int], pt: int = 4) -> list[bool]:
+    """Register ``pages`` as the chain of ``tokens``, as the scheduler does."""
+    ks = keys_of(tokens, pt)
+    return [pool.register(p, k, ks[i - 1] if i else ROOT, tokens[i * pt:(i + 1) * pt])
+            for i, (p, k) in enumerate(zip(pages, ks, strict=False))]
 
 
 def test_allocate_in_order_and_release_reverse() -> None:
@@ -30,8 +37,7 @@ def test_keyed_free_pages_stay_hits_until_evicted_lru() -> None:
     toks = list(range(12))
     ks = keys_of(toks)
     pages = pool.allocate(3)
-    for p, k in zip(pages, ks, strict=True):
-        assert pool.register(p, k)
+    assert all(register_chain(pool, pages, toks))
     pool.release(pages)                  # reverse: 2, 1, 0 go to the back in that order
     assert pool.free_order() == [3, 2, 1, 0]
     assert pool.match(ks) == [0, 1, 2]   # still cached while free
@@ -49,8 +55,7 @@ def test_shared_prefix_ref_counts() -> None:
     pool = PagePool(8, 4)
     ks = keys_of(list(range(8)))
     first = pool.allocate(2)
-    for p, k in zip(first, ks, strict=True):
-        pool.register(p, k)
+    register_chain(pool, first, list(range(8)))
     hits = pool.match(ks)
     assert hits == first
     assert pool.can_allocate(6, hits) and not pool.can_allocate(7, hits)
@@ -71,10 +76,11 @@ def test_duplicate_key_keeps_the_first_page() -> None:
     pool = PagePool(3, 4)
     k = keys_of([1, 2, 3, 4])[0]
     a, b = pool.allocate(2)
-    assert pool.register(a, k)
-    assert not pool.register(b, k)
+    assert pool.register(a, k, ROOT, [1, 2, 3, 4])
+    assert not pool.register(b, k, ROOT, [1, 2, 3, 4])
     assert pool.key[b] is None and pool.match([k]) == [a]
-    assert pool.register(a, k)   # idempotent
+    assert pool.register(a, k, ROOT, [1, 2, 3, 4])   # idempotent
+    assert pool.match_tail(ROOT, [1, 2, 3]) == (a, 3)
 
 
 def test_misuse_is_refused() -> None:
@@ -103,9 +109,30 @@ def test_reset_forgets_the_memory_tier_when_idle() -> None:
     pool = PagePool(4, 4)
     ks = keys_of(list(range(8)))
     pages = pool.allocate(2)
-    for p, k in zip(pages, ks, strict=True):
-        pool.register(p, k)
+    register_chain(pool, pages, list(range(8)))
     assert not pool.reset()                  # pages in use
     pool.release(pages)
     assert pool.reset() and pool.match(ks) == [] and pool.num_cached == 0
+    assert pool.match_tail(ROOT, [0, 1]) == (-1, 0)
     pool.check([])
+
+
+def test_a_tail_is_found_by_its_longest_start_until_its_page_is_reused() -> None:
+    pool = PagePool(4, 4)
+    toks = [5, 6, 7, 8, 9, 10]              # a full page, then a partial one of 2 tokens
+    first, tail = pool.allocate(2)
+    register_chain(pool, [first], toks)
+    parent = keys_of(toks)[0]
+    pool.keep_tail(tail, parent, toks[4:])
+    pool.release([first, tail])
+    # a kept tail goes to the back like a keyed page: it is found while free
+    assert pool.free_order() == [2, 3, tail, first]
+    assert pool.match_tail(parent, [9, 10, 11]) == (tail, 2)
+    assert pool.match_tail(parent, [9, 4]) == (tail, 1)
+    assert pool.match_tail(parent, [4]) == (-1, 0)      # no common start
+    assert pool.match_tail(ROOT, [5, 6, 9]) == (first, 2)   # a full page's start too
+    assert pool.match_tail(keys_of([1, 2, 3, 4])[0], [9, 10]) == (-1, 0)  # another parent
+    pool.check([])
+    assert pool.allocate(3) == [2, 3, tail]             # reused: it holds nothing now
+    assert pool.match_tail(parent, [9, 10]) == (-1, 0)
+    pool.check([[2], [3], [tail]])

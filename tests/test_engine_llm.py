@@ -122,7 +122,9 @@ def test_cached_equals_recomputed_for_fifty_prompts(llm: LLM, hf_model: Any) -> 
     a = [o.outputs[0].token_ids for o in first]
     b = [o.outputs[0].token_ids for o in second]
     assert a == b
-    assert all(o.cached_tokens_memory >= PT for o in second if len(o.prompt_token_ids) > PT)
+    # a repeated prompt computes one token: full pages are hits, the tail is a copy of
+    # the first run's partial page (160 pages: nothing the first run kept is evicted)
+    assert [o.cached_tokens_memory for o in second] == [len(p) - 1 for p in prompts]
     for i in (0, 17, 49):
         assert a[i] == hf_greedy(hf_model, prompts[i], 6)
     c = llm.counters

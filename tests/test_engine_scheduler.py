@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import pytest
 
 from phalanx.engine._errors import RequestError, SchedulerError
-from phalanx.engine.core.plan import StepPlan, StepResult
+from phalanx.engine.core.plan import PageCopy, StepPlan, StepResult
 from phalanx.engine.core.sampling import SamplingParams
 from phalanx.engine.core.scheduler import Scheduler, SchedulerConfig
 from phalanx.engine.core.sequence import FinishReason, Seq, SeqStatus
@@ -60,6 +60,10 @@ class FakeRanks:
             for k, p in zip(ld.keys, ld.page_ids, strict=True):
                 assert pool.key[p] in (None, k), f"load into page {p} cached for another key"
                 self.pages[p] = list(self.disk[k])
+        for c in plan.copies:   # after the loads, as a rank does them
+            assert pool.key[c.dst] is None and pool.ref[c.dst] == 1, f"copy into {c.dst}"
+            assert pool.ref[c.src] >= 1, f"copy from page {c.src}, which nothing holds"
+            self.pages[c.dst] = list(self.pages[c.src])
         for ch in plan.chunks:
             assert len(ch.block_table) == -(-(ch.start_pos + len(ch.tokens)) // pt)
             for j, t in enumerate(ch.tokens):
@@ -137,8 +141,9 @@ def test_exact_pages_of_one_request() -> None:
     assert p4 is not None and p4.chunks[0].block_table == [0, 1, 2, 3]
     assert seq.is_finished and seq.finish_reason is FinishReason.LENGTH
     assert seq.output_tokens == reference(list(range(1, 11)), 4)
-    # released tail first: unkeyed page 3 to the front; keyed 2, 1, 0 in LRU order
-    assert sched.pool.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]
+    # released tail first, each to the back: page 3 holds the partial tail (position
+    # 12), kept for a prompt that starts the same; keyed 2, 1, 0 in LRU order
+    assert sched.pool.free_order() == [4, 5, 6, 7, 3, 2, 1, 0]
     assert sched.pool.ref == [0] * 8
 
 
@@ -163,7 +168,7 @@ def test_shared_prefix_is_a_memory_hit_with_ref_counts() -> None:
     assert (c.prompt_memory, c.prompt_disk, c.prompt_computed) == (8, 0, 11 + 1)
 
 
-def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
+def test_a_fully_cached_prompt_computes_only_its_last_token() -> None:
     sched, ranks = make(num_pages=8)
     prompt = list(range(8))
     sched.add(Seq(prompt, greedy(1), seq_id=1))
@@ -173,7 +178,53 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     plan = step(sched, ranks)
     assert plan is not None
     ch = plan.chunks[0]
-    assert (ch.start_pos, ch.tokens) == (4, [4, 5, 6, 7])    # page 1 is recomputed
+    # page 0 is a hit; page 1 is copied (its first 3 tokens are what b needs): the
+    # token b samples from is the only one computed
+    assert (ch.start_pos, ch.tokens) == (7, [7])
+    assert plan.copies == [PageCopy(src=1, dst=ch.block_table[1])]   # a's page 1
+    assert b.cached_memory == 7
+    drain(sched, ranks)
+    assert b.output_tokens == reference(prompt, 2)
+
+
+def test_a_finished_sequences_partial_tail_is_copied_then_written_apart() -> None:
+    sched, ranks = make(num_pages=16)
+    a = Seq([*range(10, 16)], greedy(2), seq_id=1)       # 6 + 2 tokens: 7 with KV
+    sched.add(a)
+    drain(sched, ranks)
+    tail = [*range(10, 16), a.output_tokens[0]]          # what a's pages hold
+    # b starts with all of it and goes on: pages 0 (hit) and 1 (a copy of 3 tokens)
+    b = Seq([*tail, 7, 8], greedy(4), seq_id=2)
+    c = Seq([*tail[:5], 99, 98], greedy(4), seq_id=3)    # shares only 1 of the tail
+    sched.add(b)
+    sched.add(c)
+    plan = step(sched, ranks)
+    assert plan is not None
+    chb, chc = plan.chunks
+    assert (chb.start_pos, chc.start_pos) == (7, 5)
+    srcs = {cp.src for cp in plan.copies}
+    assert len(plan.copies) == 2 and len(srcs) == 1      # both from a's tail page
+    assert {cp.dst for cp in plan.copies} == {chb.block_table[1], chc.block_table[1]}
+    assert (b.cached_memory, c.cached_memory) == (7, 5)
+    drain(sched, ranks)
+    assert b.output_tokens == reference(b.prompt_tokens, 4)
+    assert c.output_tokens == reference(c.prompt_tokens, 4)
+    sched.pool.check([])
+
+
+def test_an_undone_step_cuts_a_copied_page_back_and_releases_its_source() -> None:
+    sched, ranks = make(num_pages=8)
+    prompt = list(range(8))
+    sched.add(Seq(prompt, greedy(1), seq_id=1))
+    drain(sched, ranks)
+    b = Seq(prompt, greedy(2), seq_id=2)
+    sched.add(b)
+    plan, _ = sched.schedule()
+    assert plan is not None and plan.copies
+    src = plan.copies[0].src
+    assert sched.pool.ref[src] == 1                      # held while the step is out
+    sched.undo_step()                                    # the step ran on no rank
+    assert sched.pool.ref[src] == 0 and b.num_computed == 4 and len(b.block_table) == 1
     assert b.cached_memory == 4
     drain(sched, ranks)
     assert b.output_tokens == reference(prompt, 2)
@@ -184,12 +235,12 @@ def test_lru_eviction_order() -> None:
     old = Seq([*list(range(8)), 50], greedy(1), seq_id=1)       # keys pages 0, 1
     sched.add(old)
     drain(sched, ranks)
-    assert sched.pool.free_order() == [2, 3, 1, 0]
+    assert sched.pool.free_order() == [3, 2, 1, 0]   # 2: the partial tail (position 8)
     new = Seq(list(range(200, 212)), greedy(1), seq_id=2)       # needs 3 fresh pages
     sched.add(new)
     plan = step(sched, ranks)
     assert plan is not None
-    assert plan.chunks[0].block_table == [2, 3, 1]                    # evicts the tail first
+    assert plan.chunks[0].block_table == [3, 2, 1]                    # evicts the tail first
     assert sched.pool.counters.evictions == 1
     assert sched.pool.match(page_keys(list(range(8)), 4, FP)) == [0]  # page 0 still a hit
 

@@ -16,8 +16,17 @@ prefix. A page's key is set once, after the step that filled it ran (never while
 is being written), and cleared when it is evicted (or forgotten: a disk load
 that failed on a rank, :meth:`PagePool.forget`).
 
-Check, then commit: :meth:`PagePool.can_allocate` and :meth:`PagePool.match` read;
-:meth:`PagePool.allocate`, :meth:`PagePool.acquire` and :meth:`PagePool.release` commit.
+A page also remembers which tokens it holds the KV of, under which parent key (the
+chain key of the page before it; :data:`ROOT` for a first page): every keyed page, and
+the partial last page of a finished sequence (kept like a keyed page: at the back of the
+LRU). :meth:`PagePool.match_tail` finds the page whose tokens share the longest start
+with a prompt's tail after its full-page hits, so a repeated prompt copies that page
+instead of recomputing up to ``page_tokens - 1`` tokens (docs/design.md, "A repeated
+prompt recomputes one token").
+
+Check, then commit: :meth:`PagePool.can_allocate`, :meth:`PagePool.match` and
+:meth:`PagePool.match_tail` read; :meth:`PagePool.allocate`, :meth:`PagePool.acquire`
+and :meth:`PagePool.release` commit.
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ from dataclasses import dataclass
 
 from .._errors import SchedulerError
 
-__all__ = ["PagePool", "PrefixCounters"]
+__all__ = ["ROOT", "PagePool", "PrefixCounters"]
+
+ROOT = b""  # the parent of a sequence's first page
 
 
 @dataclass
@@ -59,6 +70,9 @@ class PagePool:
         # LRU: the front is allocated first
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self._cached: dict[bytes, int] = {}
+        # what each page holds the KV of: (parent key, tokens), and the pages by parent
+        self.held: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_pages
+        self._children: dict[bytes, set[int]] = {}
         self.counters = PrefixCounters()
 
     # -- reads ------------------------------------------------------------------------
@@ -84,6 +98,22 @@ class PagePool:
                 break
             pages.append(p)
         return pages
+
+    def match_tail(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int]:
+        """The page under ``parent`` whose tokens start like ``tokens`` the longest, and
+        how many tokens they share: (page, n), n 0 when none does."""
+        best, best_n = -1, 0
+        for p in self._children.get(parent, ()):
+            held = self.held[p]
+            assert held is not None
+            n = 0
+            for a, b in zip(held[1], tokens, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = p, n
+        return best, best_n
 
     def can_allocate(self, n: int, hits: Iterable[int] = ()) -> bool:
         """Whether ``n`` fresh pages can be allocated after acquiring ``hits``."""
@@ -114,6 +144,7 @@ class PagePool:
                 del self._cached[k]
                 self.key[p] = None
                 self.counters.evictions += 1
+            self._drop_held(p)
             self.ref[p] = 1
             out.append(p)
         return out
@@ -126,11 +157,12 @@ class PagePool:
             self.ref[p] -= 1
             if self.ref[p] == 0:
                 self._free[p] = None
-                if self.key[p] is None:
+                if self.held[p] is None:
                     self._free.move_to_end(p, last=False)
 
-    def register(self, page: int, key: bytes) -> bool:
-        """Give a just-filled page its key; False if another page already holds that prefix."""
+    def register(self, page: int, key: bytes, parent: bytes, tokens: Sequence[int]) -> bool:
+        """Give a just-filled page its key (``parent``'s child, holding ``tokens``); False
+        if another page already holds that prefix."""
         if self.key[page] is not None:
             if self.key[page] == key:
                 return True
@@ -139,7 +171,30 @@ class PagePool:
             return False
         self.key[page] = key
         self._cached[key] = page
+        self._hold(page, parent, tokens)
         return True
+
+    def keep_tail(self, page: int, parent: bytes, tokens: Sequence[int]) -> None:
+        """Remember that the partial ``page`` holds the KV of ``tokens`` after ``parent``
+        (a finished sequence's last page, about to be released): a later prompt with the
+        same start copies it (:meth:`match_tail`)."""
+        if self.key[page] is None and tokens:
+            self._hold(page, parent, tokens)
+
+    def _hold(self, page: int, parent: bytes, tokens: Sequence[int]) -> None:
+        self._drop_held(page)
+        self.held[page] = (parent, tuple(tokens))
+        self._children.setdefault(parent, set()).add(page)
+
+    def _drop_held(self, page: int) -> None:
+        held = self.held[page]
+        if held is None:
+            return
+        self.held[page] = None
+        siblings = self._children[held[0]]
+        siblings.discard(page)
+        if not siblings:
+            del self._children[held[0]]
 
     def forget(self, page: int) -> None:
         """Drop ``page``'s key: its KV is not what the key names (a disk load that failed
@@ -149,6 +204,7 @@ class PagePool:
             return
         del self._cached[key]
         self.key[page] = None
+        self._drop_held(page)
         if self.ref[page] == 0:
             self._free.move_to_end(page, last=False)
 
@@ -158,6 +214,8 @@ class PagePool:
             return False
         self._cached.clear()
         self.key = [None] * self.num_pages
+        self.held = [None] * self.num_pages
+        self._children.clear()
         return True
 
     def check(self, holders: Iterable[Sequence[int]]) -> None:
@@ -180,3 +238,8 @@ class PagePool:
                 raise SchedulerError(f"page pool: cached key of page {p} does not match")
         if sum(1 for k in self.key if k is not None) != len(self._cached):
             raise SchedulerError("page pool: a keyed page is missing from the cache map")
+        by_parent = {p for pages in self._children.values() for p in pages}
+        if by_parent != {p for p in range(self.num_pages) if self.held[p] is not None}:
+            raise SchedulerError("page pool: the pages by parent are not the held pages")
+        if any(self.key[p] is not None and self.held[p] is None for p in range(self.num_pages)):
+            raise SchedulerError("page pool: a keyed page does not say what it holds")

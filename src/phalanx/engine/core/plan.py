@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 __all__ = [
+    "PageCopy",
     "PageLoad",
     "PageSave",
     "SamplingSpec",
@@ -71,6 +72,14 @@ class PageLoad(msgspec.Struct, frozen=True):
     page_ids: list[int]
 
 
+class PageCopy(msgspec.Struct, frozen=True):
+    """KV page -> KV page, after the loads and before the forward: ``dst`` gets ``src``'s
+    KV (a repeated prompt's partial tail, scheduler.py)."""
+
+    src: int
+    dst: int
+
+
 class PageSave(msgspec.Struct, frozen=True):
     """KV pages -> disk tier, after the forward (staged, stored in the background)."""
 
@@ -79,7 +88,7 @@ class PageSave(msgspec.Struct, frozen=True):
 
 
 class StepPlan(msgspec.Struct, frozen=True):
-    """Everything every rank does at one step, in order: loads, forward, saves.
+    """Everything every rank does at one step, in order: loads, copies, forward, saves.
 
     The grammar table (rank 0's, ``worker/grammar.py``; the parent mirrors it:
     ``core/grammar.py``'s GrammarTable): ``grammars`` key -> text, each sent once;
@@ -88,6 +97,7 @@ class StepPlan(msgspec.Struct, frozen=True):
     step: int
     chunks: list[SeqChunk]
     loads: list[PageLoad] = []
+    copies: list[PageCopy] = []
     saves: list[PageSave] = []
     grammars: dict[str, str] = {}
     grammar_drop: list[str] = []

@@ -13,8 +13,10 @@ Pure logic (no torch, no processes). One step:
    while the budget, ``max_num_seqs`` and the pages allow; the head of the queue
    waits if it does not fit (no overtaking, so nobody starves). An admission takes the
    longest prefix of full pages held in memory (shared, ref counted), then asks the disk
-   tier how many further pages it can load (``PageLoad`` into fresh pages), and
-   computes the rest in chunks.
+   tier how many further pages it can load (``PageLoad`` into fresh pages), then copies
+   the page holding the longest start of what is left (a keyed page, or a finished
+   sequence's partial last page: ``PageCopy``), and computes the rest in chunks. A
+   prompt seen before computes one token: the one it samples from.
 
 After the forward, :meth:`Scheduler.update` advances the computed counts, gives pages
 that became full their keys (only then are they hits for others; a page loaded from
@@ -45,8 +47,16 @@ from typing import Protocol
 
 from ...kvstore import page_keys
 from .._errors import RequestError, SchedulerError
-from .kv_pages import PagePool
-from .plan import PageLoad, PageSave, SeqChunk, StepPlan, StepResult, TokenLogprobs
+from .kv_pages import ROOT, PagePool
+from .plan import (
+    PageCopy,
+    PageLoad,
+    PageSave,
+    SeqChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 from .sequence import FinishReason, Seq, SeqStatus
 
 __all__ = ["PrefixTier", "Sampled", "Scheduler", "SchedulerConfig"]
@@ -111,6 +121,8 @@ class _Scheduled:
     # admitted by this step: (first admission, prompt tokens counted as memory hits), to
     # count the admission again if the step's loads fail
     admitted: tuple[bool, int] | None = None
+    # a page copy of this step: (source page, held until the step ran; destination)
+    copied: tuple[int, int] | None = None
 
 
 def _pages_for(tokens: int, pt: int) -> int:
@@ -175,11 +187,22 @@ class Scheduler:
             self.waiting.remove(seq)
         else:
             return
+        self._keep_tail(seq)
         self.pool.release(seq.block_table)
         seq.block_table = []
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self._by_id.pop(seq.seq_id, None)
+
+    def _keep_tail(self, seq: Seq) -> None:
+        """Keep ``seq``'s partial last page findable by what it holds (see kv_pages)."""
+        pt = self.config.page_tokens
+        full, part = divmod(seq.num_computed, pt)
+        if not (self.config.enable_prefix_caching and part and len(seq.block_table) > full):
+            return
+        parent = self._keys(seq, full)[-1] if full else ROOT
+        self.pool.keep_tail(seq.block_table[full], parent,
+                            seq.tokens_range(full * pt, seq.num_computed))
 
     @property
     def has_work(self) -> bool:
@@ -201,6 +224,7 @@ class Scheduler:
         scheduled: list[_Scheduled] = []
         chunks: list[SeqChunk] = []
         loads: list[PageLoad] = []
+        copies: list[PageCopy] = []
         saves: list[PageSave] = []
         preempted = False
 
@@ -234,7 +258,7 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < c.max_num_seqs):
             seq = self.waiting[0]
-            if not self._admit(seq, budget, scheduled, chunks, loads, saves):
+            if not self._admit(seq, budget, scheduled, chunks, loads, copies, saves):
                 break
             budget -= scheduled[-1].n
 
@@ -242,14 +266,15 @@ class Scheduler:
             return None, aborted
         self._step += 1
         self._inflight = scheduled
-        plan = StepPlan(step=self._step, chunks=chunks, loads=loads, saves=saves)
+        plan = StepPlan(step=self._step, chunks=chunks, loads=loads, copies=copies,
+                        saves=saves)
         if c.check_invariants:
             self._check(scheduled)
         return plan, aborted
 
     def _admit(
-        self, seq: Seq, budget: int, scheduled: list[_Scheduled],
-        chunks: list[SeqChunk], loads: list[PageLoad], saves: list[PageSave],
+        self, seq: Seq, budget: int, scheduled: list[_Scheduled], chunks: list[SeqChunk],
+        loads: list[PageLoad], copies: list[PageCopy], saves: list[PageSave],
     ) -> bool:
         pt = self.config.page_tokens
         total = len(seq)
@@ -268,32 +293,45 @@ class Scheduler:
         if caching and self.tier is not None and m < limit:
             d = self.tier.lookup(keys, m)
         computed = (m + d) * pt
-        n = min(total - computed, budget)
-        need = _pages_for(computed + n, pt) - m
-        if not self.pool.can_allocate(need, hits):
+        # the tail after the full pages: copied from the page holding its longest start,
+        # all but the last token (the one sampled from)
+        src, j = -1, 0
+        if caching and computed < total - 1:
+            parent = keys[m + d - 1] if m + d else ROOT
+            src, j = self.pool.match_tail(parent, seq.tokens_range(computed, total - 1))
+        n = min(total - computed - j, budget)
+        need = _pages_for(computed + j + n, pt) - m
+        held = [*hits, src] if j else hits
+        if not self.pool.can_allocate(need, held):
             if d and self.tier is not None:
                 self.tier.unpin(keys[m : m + d])
             return False
         self.waiting.popleft()
-        self.pool.acquire(hits)
+        self.pool.acquire(held)   # the copy's source stays what it is until the step ran
         fresh = self.pool.allocate(need)
         seq.block_table = hits + fresh
+        if j:
+            copies.append(PageCopy(src=src, dst=fresh[d]))
+        computed += j
         seq.num_computed = computed
         loaded = keys[m : m + d]
         if d:
             loads.append(PageLoad(keys=list(loaded), page_ids=fresh[:d]))
             # loads run before the step's forward, so a loaded page is a hit at once:
             # another request admitted in this step shares it instead of loading it again
-            for page, key in zip(fresh[:d], loaded, strict=True):
-                self.pool.register(page, key)
+            for i, (page, key) in enumerate(zip(fresh[:d], loaded, strict=True)):
+                self.pool.register(page, key, keys[m + i - 1] if m + i else ROOT,
+                                   seq.tokens_range((m + i) * pt, (m + i + 1) * pt))
         seq.num_registered = m + d
         first = seq.take_first_admit()
-        self._count_admit(seq, first, m * pt, computed)
+        self._count_admit(seq, first, m * pt + j, computed)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         self._emit(seq, n, list(loaded), scheduled, chunks, saves)
         scheduled[-1].load_pages = tuple(fresh[:d])
-        scheduled[-1].admitted = (first, m * pt)
+        scheduled[-1].admitted = (first, m * pt + j)
+        if j:
+            scheduled[-1].copied = (src, fresh[d])
         return True
 
     def _count_admit(self, seq: Seq, first: bool, memory: int, computed: int,
@@ -384,13 +422,16 @@ class Scheduler:
         out: list[Sampled] = []
         for s in scheduled:
             seq = s.seq
+            if s.copied is not None:
+                self.pool.release([s.copied[0]])
             seq.num_computed += s.n
             if self.config.enable_prefix_caching:
                 # full pages become hits only now, after the step that wrote them ran
                 full = seq.num_computed // pt
                 keys = self._keys(seq, full)
                 for j in range(seq.num_registered, full):
-                    self.pool.register(seq.block_table[j], keys[j])
+                    self.pool.register(seq.block_table[j], keys[j], keys[j - 1] if j else ROOT,
+                                       seq.tokens_range(j * pt, (j + 1) * pt))
                 seq.num_registered = full
             if s.loaded and self.tier is not None:
                 self.tier.unpin(s.loaded)
@@ -422,10 +463,14 @@ class Scheduler:
         tainted = {p for s in scheduled for p in s.load_pages}
         for p in tainted:
             self.pool.forget(p)
+        # a copy's destination holds nothing either (unkeyed: only its sequence has it)
+        tainted |= {s.copied[1] for s in scheduled if s.copied is not None}
         for s in scheduled:
             seq = s.seq
             if s.loaded and self.tier is not None:
                 self.tier.unpin(s.loaded)
+            if s.copied is not None:
+                self.pool.release([s.copied[0]])
             keep = _pages_for(seq.num_computed, pt)
             # a later admission of the step may hold another's loaded pages as hits
             keep = next((i for i, p in enumerate(seq.block_table[:keep]) if p in tainted),
@@ -446,16 +491,18 @@ class Scheduler:
 
     def fail_inflight(self) -> list[Seq]:
         """Drop the step in flight (the ranks failed it); returns every live sequence."""
-        if self._inflight is not None and self.tier is not None:
-            for s in self._inflight:
-                if s.loaded:
-                    self.tier.unpin(s.loaded)
+        for s in self._inflight or ():
+            if s.loaded and self.tier is not None:
+                self.tier.unpin(s.loaded)
+            if s.copied is not None:
+                self.pool.release([s.copied[0]])
         self._inflight = None
         return [*self.running, *self.waiting]
 
     def _check(self, scheduled: list[_Scheduled]) -> None:
         c = self.config
-        self.pool.check(s.block_table for s in self.running)
+        sources = [[s.copied[0]] for s in scheduled if s.copied is not None]
+        self.pool.check([*(s.block_table for s in self.running), *sources])
         if len(self.running) > c.max_num_seqs:
             raise SchedulerError(f"{len(self.running)} running > max_num_seqs={c.max_num_seqs}")
         if sum(s.n for s in scheduled) > c.max_num_batched_tokens:

@@ -190,6 +190,7 @@ class Runner:
         failures = self._prepare(plan)
         if failures:
             return StepResult(step=plan.step, tokens={}, load_failures=failures)
+        self._copies(plan)
         hidden, rows, specs, seqs = self._step(plan, sample_only=True)
         tokens: dict[int, int] = {}
         logprobs: dict[int, TokenLogprobs] = {}
@@ -228,6 +229,7 @@ class Runner:
         failures = self._prepare(plan)
         if failures:
             raise EngineError(f"step {plan.step}: disk loads failed: {failures}")
+        self._copies(plan)
         hidden, _, _, _ = self._step(plan, sample_only=False)
         self._saves(plan)
         return self._logits(hidden).cpu()
@@ -272,6 +274,19 @@ class Runner:
             if isinstance(out, torch.Tensor):
                 self.write_pages(load.page_ids, out)
         return self._agree(why)
+
+    def _copies(self, plan: StepPlan) -> None:
+        """The plan's page copies (after its loads: a source may be a page just loaded)."""
+        if not plan.copies:
+            return
+        self.decode_gather.drop()   # a step that writes pages keeps no gathers (its doc)
+        src = [c.src for c in plan.copies]
+        dst = [c.dst for c in plan.copies]
+        self._check_pages(src + dst)
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for layer in self.kv:
+            layer.index_copy_(0, d, layer.index_select(0, s))
 
     def _agree(self, why: str) -> dict[int, str]:
         """Every rank's load report (rank -> reason, failed ranks only), by one all-gather
