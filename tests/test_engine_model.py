@@ -30,6 +30,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-mqa-linear": ("mistral", dict(
         num_key_value_heads=1, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "llama-sharded": ("llama", dict(max_shard_size="100KB")),
+    # windows of 8 under a 37-token prompt (issue 44): every layer, and Qwen2's from
+    # max_window_layers on
+    "mistral-sliding": ("mistral", dict(sliding_window=8)),
+    "qwen2-sliding-from-layer-1": ("qwen2", dict(sliding_window=8, use_sliding_window=True,
+                                                 max_window_layers=1)),
 }
 
 
