@@ -185,3 +185,38 @@ def test_a_disk_error_at_engine_start_is_the_same_one_line(
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and str(lock) in lines[0], res.output
     assert "errno 13, Permission denied" in lines[0], lines[0]
+
+
+# -- a directory of another model: one line, exit 2; the default is one per model --------
+
+def test_serve_refuses_another_models_directory_in_one_line(tmp_path: Path) -> None:
+    """A store refuses a directory written for another model (its manifest's
+    fingerprint): before, a 40-line traceback of rank 0's and the parent's."""
+    from phalanx.engine.disk.identity import cache_identity
+    from phalanx.engine.model.default_model import default_model_dir
+    from phalanx.kvstore.manifest import check_or_create
+
+    geometry, _ = cache_identity(default_model_dir(), 2)
+    disk = tmp_path / "disk"
+    for r in (0, 1):
+        (disk / f"rank-{r}").mkdir(parents=True)
+        check_or_create(str(disk / f"rank-{r}"), geometry, bytes(16))  # another model's
+    done = _serve(tmp_path, "--prefix-cache-disk", str(disk))
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(disk) in lines[0], done.stderr
+    assert "belongs to model fingerprint " + "00" * 16 in lines[0], lines[0]
+
+
+def test_the_default_disk_dir_is_one_per_model_and_tp(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.serve.server import default_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    a, b = tmp_path / "models" / "a", tmp_path / "models" / "b"
+    dirs = {default_cache_dir(a, 2), default_cache_dir(b, 2), default_cache_dir(a, 3)}
+    assert len(dirs) == 3
+    assert all(d.parent == tmp_path / "phalanx" / "prefix-cache" for d in dirs)
+    assert default_cache_dir(a, 2) == default_cache_dir(str(a) + "/", 2)  # the same path
+    assert default_cache_dir(a, 2).name.startswith("a-tp2-")

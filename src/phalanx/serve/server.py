@@ -36,9 +36,18 @@ __all__ = ["ServerConfig", "default_cache_dir", "listen_socket", "run_server"]
 log = logging.getLogger("phalanx.serve")
 
 
-def default_cache_dir() -> Path:
+def default_cache_dir(model: str | Path, tp: int) -> Path:
+    """The disk tier's directory when none is given: one per model path and TP size
+    under the user's cache dir. A store refuses a directory written for another model
+    or TP size (its manifest), so one shared default made a user who switched models
+    pass --prefix-cache-disk; a file changed in place is still refused (phalanx serve
+    says so in one line)."""
+    import hashlib
+
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "phalanx" / "prefix-cache"
+    path = Path(model).resolve()
+    tag = hashlib.blake2b(str(path).encode(), digest_size=4).hexdigest()
+    return Path(base) / "phalanx" / "prefix-cache" / f"{path.name}-tp{tp}-{tag}"
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class ServerConfig:
     dtype: str | None = None
     device: str = "cpu"                      # "cpu", "cuda" or "cuda:N"
     kv_cache_bytes: int = 256 << 20
-    prefix_cache_disk: str | None = None     # None: default_cache_dir(); "" : disabled
+    prefix_cache_disk: str | None = None     # None: default_cache_dir(...); "": disabled
     prefix_cache_disk_bytes: int = 4 << 30
     prefix_cache_max_age: float | None = None
     restart: bool = True
@@ -83,7 +92,8 @@ def _disk_off(cfg: ServerConfig) -> bool:
 def _disk_dir(cfg: ServerConfig) -> str | None:
     if _disk_off(cfg):
         return None
-    path = Path(cfg.prefix_cache_disk) if cfg.prefix_cache_disk else default_cache_dir()
+    path = (Path(cfg.prefix_cache_disk) if cfg.prefix_cache_disk
+            else default_cache_dir(_model_dir(cfg), cfg.tensor_parallel_size))
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return str(path)
 

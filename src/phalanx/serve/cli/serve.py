@@ -102,11 +102,13 @@ def serve(model_dir: str | None, tp: int, host: str, port: int, api_key: str | N
     _check_device(device, tp, nnodes)
     if model_dir is not None:
         _check_model(model_dir, tp, None if dtype == "auto" else dtype, max_model_len)
-    disk = None if no_prefix_cache_disk else str(prefix_cache_disk or default_cache_dir())
+    model = model_dir or _embedded(model_size)
+    disk = None if no_prefix_cache_disk else str(prefix_cache_disk
+                                                  or default_cache_dir(model, tp))
     if disk is not None:
         _check_disk_dir(disk, _local_ranks(tp, nnodes, node_rank))
     cfg = ServerConfig(
-        model=model_dir or _embedded(model_size), tensor_parallel_size=tp, host=host,
+        model=model, tensor_parallel_size=tp, host=host,
         port=port, api_key=api_key or None, served_model_name=served_model_name,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
@@ -126,6 +128,7 @@ def _run(cfg: ServerConfig, disk: str | None, nnodes: int, node_rank: int,
          master_addr: str, master_port: int) -> int:
     """Serve; the exit status. A disk-tier directory that fails while the ranks open
     their stores (changed since ``_check_disk_dir``) is the same one line, exit 2."""
+    from phalanx.kvstore import ForeignStoreError, GeometryMismatchError
     from phalanx.serve import server
 
     try:
@@ -138,6 +141,11 @@ def _run(cfg: ServerConfig, disk: str | None, nnodes: int, node_rank: int,
         if disk is None or not _is_under(exc.filename, disk):
             raise
         _refuse_disk(exc.filename, exc)
+    except (ForeignStoreError, GeometryMismatchError) as exc:
+        # a directory written for another model, dtype, TP or page size: a rank's store
+        # refused it at open (a traceback of the rank's and the parent's before)
+        click.echo(f"phalanx serve: --prefix-cache-disk {disk}: {exc}", err=True)
+        sys.exit(2)
 
 
 def _local_ranks(tp: int, nnodes: int, node_rank: int) -> range:
