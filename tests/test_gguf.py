@@ -2,8 +2,9 @@
 
 transformers loads the same file with ``gguf_file=`` (dequantized to float32) and is the
 oracle: the dequantized path (``dtype="float32"``) must give its greedy tokens exactly;
-the quantized path (int4 weights, bfloat16 activations) must agree within a stated
-bound. The server answers a question with a known answer through the openai client.
+the quantized path (int4 weights) must stay within a stated bound of the float32
+dequantized model's next-token distributions, and answer the README's question. The
+server answers a question with a known answer through the openai client.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from real_model import PROMPTS, fetch
 from serve_util import Server
 
 NEW = 32
-# The quantized path departs from transformers only where transformers' top two logits
-# are this close (bfloat16 activations move logits by ~0.1: measured 0.04-0.13 at the
-# departures), and its logprobs stay this close on the tokens both chose.
-NEAR_TIE = 0.5
-MEAN_LOGPROB_GAP = 0.1
+# The quantized path's fidelity over the fixed text (llama-perplexity's scoring, chunks
+# of N_CTX): mean KL from the float32 dequantized model and top-1 agreement. Measured
+# on an AVX2 EPYC: KL 0.00071, top-1 98.0% (before issue 44's fix, with a bfloat16
+# residual stream: 0.00157 and 97.5%, failing this bound); llama.cpp's own on this
+# file: 0.00274 and 96.7% (BENCHMARKS.md, phalanx bench fidelity).
+N_CTX = 512
+MAX_KL = 0.0015
+MIN_TOP1 = 0.97
 
 
 @pytest.fixture(scope="module")
@@ -114,23 +118,35 @@ def test_dequantized_greedy_tokens_equal_transformers(gguf_path: Path,
         assert list(out.token_ids) == want, q
 
 
-@pytest.mark.slow  # the transformers oracle / a TP-3 server: minutes
-def test_quantized_greedy_tokens_stay_within_the_bound(gguf_path: Path,
-                                                       reference: dict[str, Any]) -> None:
-    outs = _generate(gguf_path, 1, None, reference["ids"])
-    gaps: list[float] = []
-    for q, out, want, lps, margins in zip(PROMPTS, outs, reference["tokens"],
-                                          reference["logprobs"], reference["margins"],
-                                          strict=True):
-        got = list(out.token_ids)
-        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b),
-                     None)
-        if first is not None:
-            assert margins[first] < NEAR_TIE, (q, first, margins[first])
-        same = len(got) if first is None else first
-        assert same >= 4, (q, got, want)   # the answer's opening never departs
-        gaps += [abs(out.logprobs[i][got[i]].logprob - lps[i]) for i in range(same)]
-    assert sum(gaps) / len(gaps) < MEAN_LOGPROB_GAP
+@pytest.mark.slow  # two models over 2,048 tokens: a minute
+def test_the_quantized_path_is_as_faithful_as_the_bound(gguf_path: Path) -> None:
+    """Fidelity as llama.cpp's users measure it, on any CPU: over the fixed text, the
+    quantized path's next-token distributions against the float32 dequantized model's
+    (phalanx_bench.fidelity_score: llama-perplexity's chunks and scored positions).
+    A bound on the mean KL and on top-1 agreement, not on tokens: which side of a near
+    tie a token falls depends on the CPU's kernel (an Intel Xeon with AMX rounds the
+    dequantized weights to bfloat16 too; its France prompt departed at the first token
+    under the old greedy-token bound)."""
+    from phalanx.engine.model.tokenizer import Tokenizer
+    from phalanx_bench import fidelity_score
+
+    ids = Tokenizer(gguf_path).encode(fidelity_score.text())
+    base = fidelity_score.log_probs(gguf_path, "float32", ids, N_CTX)
+    got = fidelity_score.kl_top1(base, fidelity_score.log_probs(gguf_path, None, ids, N_CTX))
+    assert got.positions >= 1000
+    assert got.kl < MAX_KL and got.top1 > MIN_TOP1, got
+
+
+def test_the_quantized_path_answers_paris_at_tp1(gguf_path: Path) -> None:
+    """The README's question through the engine at TP 1 on the file's own (quantized)
+    weights: the bfloat16 residual stream once made it answer "L'Etoile" (issue 44)."""
+    from phalanx.engine.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(gguf_path)
+    ids = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]))
+    (out,) = _generate(gguf_path, 1, None, [ids])
+    assert "Paris" in tok.decode(list(out.token_ids)), tok.decode(list(out.token_ids))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -150,8 +150,9 @@ def _family(f: GGUFFile, arch: str, raw: dict[str, Any]) -> None:
 
 
 def gguf_config(f: GGUFFile, dtype: str | None) -> dict[str, Any]:
-    """The ``config.json`` of the model in ``f``; ``dtype`` None keeps Q4_0/Q4_1/Q8_0 weights
-    quantized (activations in bfloat16), a dtype dequantizes every weight to it."""
+    """The ``config.json`` of the model in ``f``; ``dtype`` None keeps the kept types'
+    weights quantized (the model around them in float32: engine/model/quant.py), a dtype
+    dequantizes every weight to it."""
     arch = f.need("general.architecture")
     if arch not in ARCHS:
         raise ModelConfigError(f"{f.path}: general.architecture={arch!r} is not served by "
@@ -206,7 +207,7 @@ def gguf_config(f: GGUFFile, dtype: str | None) -> dict[str, Any]:
     _family(f, arch, raw)
     kept = any(t.qtype in KEPT_QUANTIZED for t in f.tensors.values())
     if dtype is None:
-        dtype = "bfloat16" if kept else _float_dtype(f)
+        dtype = "float32" if kept else _float_dtype(f)
         raw["quantization"] = "gguf" if kept else "none"
     else:
         raw["quantization"] = "none"

@@ -241,7 +241,7 @@ class LMHead(torch.nn.Module):
         # a tied quantized table always has blocks the kernel takes (rows of 32s)
         qt = ckpt.read_quantized(name, 0, e.start, e.stop) if e.quantized else None
         if qt is not None:
-            self.qmm = Int4Matmul([qt])
+            self.qmm = Int4Matmul([qt], exact_input=True)
             self.weight = torch.nn.Parameter(self.weight.data.new_empty(0),
                                              requires_grad=False)
             return

@@ -2,7 +2,8 @@
 
 Matmuls go through torch's packed-int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``:
 groups of 32 along the input, ``w = (q - 8) * scale + zero`` per group and output row,
-bfloat16 activations). GGUF's formats map onto it exactly:
+bfloat16 activations, scales, zeros and outputs: its float16 and float32 forms take
+10-50x longer on CPU, measured). GGUF's formats map onto it exactly:
 
 - Q4_0 (``w = d * (q - 8)``): scale ``d``, zero 0;
 - Q4_1 (``w = d * q + m``): scale ``d``, zero ``m + 8 d``;
@@ -10,6 +11,15 @@ bfloat16 activations). GGUF's formats map onto it exactly:
   ``q = 16 hi + lo`` with lo in [0, 15]: plane hi (stored ``hi + 8``, scale ``16 d``,
   zero 0) plus plane lo (scale ``d``, zero ``8 d``). Both planes run as one matmul with
   twice the output rows, summed: 8 bits per weight, as Q8_0 holds them.
+
+The model around these matmuls runs in float32 (the residual stream, norms, attention
+and KV): only each matmul's input is rounded to bfloat16. The LM head's input is not
+rounded either: it is split into two bfloat16 halves, ``x = hi + lo`` with
+``lo = x - hi`` (exact to 2^-16 of x), run as one call with twice the rows and summed,
+because the logits are where rounding costs most (issue 44: KL from the float32 model
+0.00157 with a bfloat16 model, 0.00115 with a float32 one, 0.00071 with the head's
+input split; docs/design.md). The head runs on one row per sequence at decode, so the
+doubled rows cost nothing measurable there.
 
 ``aten._weight_int8pack_mm`` was not used for Q8_0: it takes one scale per output row,
 and Q8_0 has one per 32 weights (requantizing per row loses what the file holds). The
@@ -84,8 +94,10 @@ class Int4Matmul(torch.nn.Module):
     packed: torch.Tensor
     scales_zeros: torch.Tensor
 
-    def __init__(self, parts: list[QuantTensor]) -> None:
+    def __init__(self, parts: list[QuantTensor], exact_input: bool = False) -> None:
         super().__init__()
+        # exact_input: split a float32 input into two bfloat16 halves (the LM head)
+        self.exact_input = exact_input
         cols = {p.cols for p in parts}
         if len(cols) != 1 or not compatible(parts):
             raise ValueError("parts of one packed layer must share cols and kind")
@@ -114,8 +126,16 @@ class Int4Matmul(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16).contiguous(), self.packed, _GROUP, self.scales_zeros)
+        hi = x.to(torch.bfloat16)
+        rows = x.shape[0]
+        if self.exact_input and dtype == torch.float32:
+            lo = (x - hi.float()).to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                torch.cat((hi, lo)), self.packed, _GROUP, self.scales_zeros).float()
+            y = y[:rows] + y[rows:]
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                hi.contiguous(), self.packed, _GROUP, self.scales_zeros)
         n = self.out_features
         if self.planes == 2:
             y = y[:, :n] + y[:, n:2 * n]
