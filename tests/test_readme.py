@@ -60,7 +60,8 @@ _EXPECTED = {
 }
 _LOCAL = [b for b in _python_blocks() if "127.0.0.1:8000" not in b]
 # the same for the server examples beyond the first
-_SERVER_EXPECTED = {"n=4, temperature=0.8": "[0, 1, 2, 3]"}
+_SERVER_EXPECTED = {"n=4, temperature=0.8": "[0, 1, 2, 3]", "response_format=Answer": "Answer",
+                    'tool_choice="required"': "tool_calls get_weather {"}
 
 
 @pytest.mark.parametrize("code", _LOCAL, ids=[f"example-{i}" for i in range(len(_LOCAL))])

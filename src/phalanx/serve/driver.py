@@ -40,6 +40,7 @@ from phalanx.lifecycle.failpoints import Failpoint
 
 from .api.engine_client import Delta, Health
 from .api.errors import APIError
+from .api.tools.render import render_messages
 
 __all__ = ["EngineDriver", "RequestStream"]
 
@@ -145,6 +146,7 @@ class EngineDriver:
                  on_death: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.chat_template: str | None = getattr(tokenizer, "chat_template", None)
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.max_pending = max_pending
@@ -187,8 +189,10 @@ class EngineDriver:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    def chat_prompt(self, messages: Sequence[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        msgs, extra = render_messages(messages, tools, self.chat_template)
+        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **extra)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:

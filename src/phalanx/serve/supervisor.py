@@ -56,6 +56,7 @@ class Supervisor:
         self._driver: EngineDriver | None = start(self._reporter(0))
         self.model_name = self._driver.model_name
         self.max_model_len = self._driver.max_model_len
+        self.chat_template = self._driver.chat_template
 
     def _reporter(self, generation: int) -> Callable[[BaseException], None]:
         return lambda exc: self._died(generation, exc)
@@ -75,8 +76,9 @@ class Supervisor:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.driver.detokenize(token_ids)
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return self.driver.chat_prompt(messages)
+    def chat_prompt(self, messages: Sequence[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.driver.chat_prompt(messages, tools)
 
     def token_text(self, token_id: int) -> str:
         return self.driver.token_text(token_id)

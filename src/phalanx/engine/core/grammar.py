@@ -22,19 +22,27 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from .._errors import GrammarError
 
-__all__ = ["CACHE_SIZE", "Grammar", "GrammarKind", "GrammarTable", "compile_grammar"]
+__all__ = ["CACHE_SIZE", "JSON_STYLE", "Grammar", "GrammarKind", "GrammarTable",
+           "compile_grammar"]
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 CACHE_SIZE = 256           # compiled grammars kept in the parent (and sent to rank 0)
 MAX_SOURCE = 256 << 10     # characters of one schema, regex or grammar
 MAX_CHOICES = 1024
+# JSON is written as json.dumps writes it (", " and ": ", no other whitespace): with
+# llguidance's default flexible whitespace a model may write whitespace until max_tokens
+# (the embedded model did, every time, at temperature 0 and 0.8). A schema's own
+# "x-guidance" options are overridden; a Lark grammar's %json takes these under its
+# schema's "x-guidance" key (tools/: the call grammars).
+JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
+                              "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -99,9 +107,10 @@ def _canonical(kind: GrammarKind, source: Any) -> str:
 
 def _build(kind: GrammarKind, canon: str) -> str:
     if kind == "json_object":
-        text = LLMatcher.grammar_from_json_schema({"type": "object"})
+        text = LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                  overrides=cast(Any, JSON_STYLE))
     elif kind == "json_schema":
-        text = LLMatcher.grammar_from_json_schema(canon)
+        text = LLMatcher.grammar_from_json_schema(canon, overrides=cast(Any, JSON_STYLE))
     elif kind == "regex":
         text = LLMatcher.grammar_from_regex(canon)
     elif kind == "choice":

@@ -46,6 +46,7 @@ from .responses_api import ResponseBuilder
 from .responses_protocol import ResponsesRequest
 from .state import RateWindow, ServerInfo, state_document
 from .streams import Choices
+from .tools import ChoiceDeltas, ToolSetup, shape_response
 from .web import web_routes
 
 __all__ = ["ServeSettings", "build_app"]
@@ -178,6 +179,19 @@ class _Api:
             max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar)
             for i in range(req.n)]
+
+    async def _grammar(self, req: ChatCompletionRequest, tools: ToolSetup | None
+                       ) -> Grammar | None:
+        """The request's grammar: its tools' (``required``, a named function) or its
+        structured output's; both at once is a 400."""
+        forced = await asyncio.to_thread(tools.grammar) if tools is not None else None
+        if forced is None:
+            return await structured.grammar_of(req.response_format, req.structured_outputs)
+        if structured.constraint_of(req.response_format, req.structured_outputs):
+            raise APIError(400, "tool_choice forces a function call, which leaves no room "
+                           "for response_format or structured_outputs: send one of them",
+                           param="tool_choice")
+        return forced
 
     def _check_serving(self) -> None:
         """A 503 with Retry-After before any work while the engine is down or healing."""
@@ -318,22 +332,28 @@ class _Api:
         req = decode_request(await request.body(), ChatCompletionRequest)
         self._check_model(req.model)
         self._check_serving()
-        grammar = await structured.grammar_of(req.response_format, req.structured_outputs)
+        tools = ToolSetup.of(req.tools, req.tool_choice, req.parallel_tool_calls,
+                             self.engine.chat_template)
+        grammar = await self._grammar(req, tools)
         messages = _messages(req.messages)
-        prompt = await self._off_loop(_chars(messages), self.engine.chat_prompt, messages)
+        prompt = await self._off_loop(_chars(messages), self.engine.chat_prompt, messages,
+                                      tools.tools if tools is not None else None)
         param = "max_completion_tokens" if req.max_completion_tokens is not None \
             else "max_tokens"
         k = (req.top_logprobs or 0) if req.logprobs else None
         n = req.n
         params = self._params(req, self._budget(len(prompt), req.token_limit, param), k,
                               grammar)
+        if tools is not None:
+            params = tools.sampling(params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices = await self._start([prompt], params, rid, n)
         text = self.engine.token_text
         model = self.settings.served_model_name
         if not req.stream:
             states = await _collect(choices, n, request)
-            return _json(rsp.chat_response(rid, model, states, text, req.logprobs, n))
+            return _json(shape_response(
+                rsp.chat_response(rid, model, states, text, req.logprobs, n), tools))
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -342,15 +362,19 @@ class _Api:
             for i in range(n):
                 yield _sse(rsp.chat_chunk(rid, model, created, i,
                                           {"role": "assistant", "content": ""}, None, None))
+            deltas = [ChoiceDeltas(tools) for _ in range(n)]  # content or tool calls
             async for i, d in choices.merged():
                 states[i].add(d)
                 lp = rsp.chat_logprobs(d.logprobs, text) if req.logprobs else None
                 if d.text or d.token_ids:
-                    yield _sse(rsp.chat_chunk(rid, model, created, i, {"content": d.text},
-                                              None, lp))
+                    for delta in deltas[i].feed(d.text) or [{"content": ""}]:
+                        yield _sse(rsp.chat_chunk(rid, model, created, i, delta, None, lp))
+                        lp = None
                 if d.finish_reason is not None:
-                    yield _sse(rsp.chat_chunk(rid, model, created, i, {}, d.finish_reason,
-                                              None))
+                    rest, reason = deltas[i].finish(d.finish_reason)
+                    for delta in rest:
+                        yield _sse(rsp.chat_chunk(rid, model, created, i, delta, None, None))
+                    yield _sse(rsp.chat_chunk(rid, model, created, i, {}, reason, None))
             if include_usage:
                 yield _sse(rsp.usage_chunk(rid, model, created, "chat.completion.chunk",
                                            states, n))
@@ -393,11 +417,18 @@ async def _text_format_grammar(req: ResponsesRequest) -> Grammar | None:
         raise
 
 
-def _messages(messages: list[Any]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+def _messages(messages: list[Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+        for extra in ("tool_calls", "tool_call_id"):
+            if getattr(m, extra, None) is not None:
+                msg[extra] = getattr(m, extra)
+        out.append(msg)
+    return out
 
 
-def _chars(messages: list[dict[str, str]]) -> int:
+def _chars(messages: list[dict[str, Any]]) -> int:
     return sum(len(m["content"]) for m in messages)
 
 

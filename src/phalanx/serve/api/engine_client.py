@@ -56,13 +56,16 @@ class RequestDeltas(Protocol):
 class EngineClient(Protocol):
     model_name: str
     max_model_len: int
+    chat_template: str | None   # the model's (tools are rendered and parsed by it)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The messages rendered through the model's chat template, as token ids."""
+    def chat_prompt(self, messages: Sequence[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The messages (and ``tools``) rendered through the model's chat template, as
+        token ids (``serve/api/tools/render.py``)."""
         ...
 
     def token_text(self, token_id: int) -> str:

@@ -166,6 +166,8 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, object]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant's calls (issue 46)
+    tool_call_id: str | None = None                  # a tool result's call
 
     def text(self, index: int) -> str:
         """The message's text: a string, or the ``text`` parts of a content list."""
