@@ -278,3 +278,22 @@ def test_quantized_experts_stay_quantized(ggufs: dict[str, Path], tmp_path: Path
         runner.close()
         dense.close()
         forget_gguf_files()
+
+
+def test_the_engines_prefix_cache_on_sliding_layers_equals_recomputed(
+        models: dict[str, Any]) -> None:
+    """Through the engine (two ranks, Gemma 3's one KV head replicated): a repeated
+    prompt past the window takes its pages from the memory tier and continues with
+    transformers' tokens, as the first, recomputed one did."""
+    from engine_oracle import greedy
+    from phalanx.engine.llm import LLM
+
+    path, ref = models["gemma3-kv1"]
+    with LLM(model=str(path), tensor_parallel_size=2, page_tokens=PAGE_TOKENS,
+             num_pages=PAGES) as llm:
+        prompt = {"prompt_token_ids": BATCH[1]}
+        first = llm.generate([prompt], greedy(32))[0].outputs[0].token_ids
+        second = llm.generate([prompt], greedy(32))[0].outputs[0].token_ids
+        hit = llm.counters.prompt_memory
+    assert list(first) == list(second) == ref[1]
+    assert hit >= 32   # two full pages of the 37-token prompt came from the cache
