@@ -1,9 +1,13 @@
-"""Structured outputs through the official openai client against a real server on the
-real model (issue 46): ``chat.completions.parse`` with pydantic models (nested objects,
-bounded arrays, enums, ranged numbers, optional and nullable fields, anyOf), streamed
-and not, at TP 1 and TP 3; ``json_object``, vLLM's ``regex`` and ``choice``; a schema
-the grammar engine refuses is a 400 naming the part; a JSON cut by ``max_tokens`` ends
-with ``length``. One server per TP size; every request of a size is fired at once.
+"""Structured outputs and tool calls through the official openai client against a real
+server on the real model (issue 46): ``chat.completions.parse`` with pydantic models
+(nested objects, bounded arrays, enums, ranged numbers, optional and nullable fields,
+anyOf), streamed and not, at TP 1 and TP 3; ``json_object``, vLLM's ``regex`` and
+``choice``; a schema the grammar engine refuses is a 400 naming the part; a JSON cut by
+``max_tokens`` ends with ``length``. Tool calls (at TP 1): ``tool_choice`` ``required``
+and a named function give calls whose arguments validate against the function's schema;
+streamed tool-call deltas, as the client's stream helper reassembles them, equal the
+answer not streamed; ``parallel_tool_calls``; a two-turn exchange renders through the
+template. One server per TP size; the requests of a test are fired at once.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from phalanx.serve.api.tools import render_messages
 from real_model import fetch
 from serve_util import Server
 
@@ -216,3 +221,112 @@ def test_a_json_cut_by_max_tokens_ends_with_length(server: Server) -> None:
     with pytest.raises(openai.LengthFinishReasonError):
         client.chat.completions.parse(model=MODEL, messages=_messages("A person."),
                                       response_format=Person, max_tokens=5)
+
+
+# -- tool calls --------------------------------------------------------------------
+
+class WeatherArgs(BaseModel):
+    city: str = Short
+    unit: str = Field(pattern="^(celsius|fahrenheit)$")
+
+
+class AddArgs(BaseModel):
+    a: int = Field(ge=-1000, le=1000)
+    b: int = Field(ge=-1000, le=1000)
+
+
+def _tool(name: str, model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema()
+    schema["additionalProperties"] = False
+    return {"type": "function", "function": {"name": name, "description": name.replace(
+        "_", " "), "parameters": schema}}
+
+
+TOOLS = [_tool("get_weather", WeatherArgs), _tool("add", AddArgs)]
+ARGS = {"get_weather": WeatherArgs, "add": AddArgs}
+ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+
+
+@pytest.fixture
+def tp1(server: Server, request: pytest.FixtureRequest) -> Server:
+    """The module's server at TP 1 (tool calls are checked there; the grammar's masks at
+    TP 3 by the schemas above)."""
+    if request.node.callspec.params.get("server") != 1:
+        pytest.skip("tool calls are checked at TP 1")
+    return server
+
+
+def _ask(client: Any, stream: bool = False, **kwargs: Any) -> Any:
+    base = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0,
+            "max_tokens": 96, **kwargs}
+    if not stream:
+        return client.chat.completions.create(**base).choices[0]
+    with client.chat.completions.stream(**base) as s:
+        for _ in s:
+            pass
+        return s.get_final_completion().choices[0]
+
+
+def _valid(choice: Any) -> list[tuple[str, dict[str, Any]]]:
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert calls, choice.message
+    out = []
+    for c in calls:
+        assert c.type == "function" and c.id
+        ARGS[c.function.name].model_validate_json(c.function.arguments)
+        out.append((c.function.name, json.loads(c.function.arguments)))
+    return out
+
+
+def test_required_and_named_calls_validate_and_streams_reassemble(tp1: Server) -> None:
+    client = tp1.openai()
+    named = {"type": "function", "function": {"name": "add"}}
+    one = {"parallel_tool_calls": False}
+    forms = [{"tool_choice": "required", **one}, {"tool_choice": named, **one},
+             {"tool_choice": "required"}]
+    calls = [lambda f=f, st=st: _ask(client, st, **f) for f in forms for st in (False, True)]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        out = list(pool.map(lambda f: f(), calls))
+    for plain, streamed in zip(out[:4:2], out[1:4:2], strict=True):
+        assert _valid(plain) == _valid(streamed)      # temperature 0: the same call
+        assert len(_valid(plain)) == 1                # parallel_tool_calls=false: one
+    assert all(name == "add" for name, _ in _valid(out[2]))
+    # parallel: one or more calls, each valid (how many is the model's choice, and
+    # where it stops may differ between batch positions at temperature 0)
+    assert _valid(out[4]) and _valid(out[5])
+
+
+def test_auto_lets_the_model_answer_and_none_parses_nothing(tp1: Server) -> None:
+    client = tp1.openai()
+    choice = _ask(client, tool_choice="none")
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    choice = _ask(client)                             # auto: a valid call, or text
+    if choice.message.tool_calls:
+        _valid(choice)
+
+
+def test_a_two_turn_exchange_renders_through_the_template(tp1: Server) -> None:
+    client = tp1.openai()
+    first = _ask(client, parallel_tool_calls=False, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}})
+    (call,) = first.message.tool_calls
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                            temperature=0, max_tokens=24)
+    assert second.choices[0].message.content
+    rendered, extra = render_messages(messages, TOOLS, "{{ messages }}")
+    text = json.dumps(rendered)
+    assert extra == {} and "<tools>" in rendered[0]["content"]
+    assert "<tool_call>" in text and "<tool_response>\\n18 degrees, sunny" in text
+
+
+def test_bad_tools_are_400s_naming_the_field(tp1: Server) -> None:
+    client = tp1.openai()
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        _ask(client, tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tool_choice="required")
