@@ -81,7 +81,11 @@ def reference(gguf_path: Path, monkeypatch_module: pytest.MonkeyPatch) -> dict[s
 
 
 def _generate(path: Path, tp: int, dtype: str | None, ids: list[list[int]]) -> list[Any]:
+    from phalanx.engine.model import gguf_file
+
     with LLM(model=str(path), tensor_parallel_size=tp, dtype=dtype) as llm:
+        # the file's parse (~150 MB of metadata arrays) is not kept past the start
+        assert gguf_file._open_cached.cache_info().currsize == 0
         return [o.outputs[0] for o in llm.generate(
             [{"prompt_token_ids": i} for i in ids], greedy(NEW, logprobs=0))]
 

@@ -31,6 +31,7 @@ from .disk.staging import staging_source
 from .disk.tier import DiskTier
 from .model.config import ModelConfig, load_config, local_kv_heads
 from .model.fingerprint import model_fingerprint
+from .model.gguf_file import forget_gguf_files
 from .multihost.disk import HostsDiskCache
 from .multihost.executor import HostRankGroup
 from .worker.devices import resolve_devices
@@ -91,6 +92,10 @@ class Engine(EngineLoop):
         num_pages = config.num_pages or self._default_pages(mcfg, tp)
         self.fingerprint = model_fingerprint(config.model, mcfg.to_dict(), tp,
                                              config.page_tokens)
+        # a GGUF file's parse (every metadata string as a numpy array: ~150 MB for a
+        # 49k vocabulary) was kept for the config, the tokenizer and the digest; the
+        # parent needs none of it again (a heal parses anew)
+        forget_gguf_files()
         scheduler = Scheduler(SchedulerConfig(
             num_pages=num_pages, page_tokens=config.page_tokens,
             max_num_seqs=config.max_num_seqs,

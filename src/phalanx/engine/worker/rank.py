@@ -23,6 +23,7 @@ from ..core.executor import RankMemory
 from ..core.plan import decode_plan, encode_result
 from ..disk.rank0 import DiskLoads, release_leases
 from ..disk.staging import attach_staging, expect_loads
+from ..model.gguf_file import forget_gguf_files
 from ..model.parallel import SoloComm, TPComm
 from .step_channel import Kind, RankEnd
 
@@ -41,6 +42,9 @@ def _open_runner(runner_id: str, model_dir: str, comm: Any, kwargs: dict[str, An
     from .runner import open_runner
 
     runner = open_runner(runner_id, model_dir, comm, **kwargs)
+    # the weights are loaded: a GGUF file's parse (~150 MB of metadata arrays, and its
+    # map) is not needed again in this rank
+    forget_gguf_files()
     if disk_staging:
         attach_staging(runner)
     return runner.memory()
