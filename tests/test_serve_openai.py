@@ -288,10 +288,8 @@ def test_streamed_events_are_parsed_by_the_client_and_equal_the_answer(
     assert final.usage is not None and final.usage.output_tokens == 6
 
 
-# a value, not an object: the grammar lets JSON have whitespace between an object's
-# tokens, and the embedded (random) model fills max_output_tokens with it; the real
-# model's objects: tests/test_serve_responses_real.py
-CHOICE = {"enum": ["red", "green", "blue"]}
+CHOICE = {"type": "object", "properties": {"pick": {"enum": ["red", "green", "blue"]}},
+          "required": ["pick"], "additionalProperties": False}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -306,7 +304,7 @@ def test_text_format_json_schema_is_enforced(server: Server, stream: bool) -> No
     else:
         r = _respond(server, input="Pick a colour", text={"format": fmt}, max_output_tokens=40)
     assert r.status == "completed" and r.text.format.type == "json_schema"
-    assert json.loads(r.output_text) in CHOICE["enum"]
+    assert json.loads(r.output_text)["pick"] in ("red", "green", "blue")
     free = _respond(server, input="Pick a colour", max_output_tokens=40)
     assert free.output_text != r.output_text  # (free text is not that)
 
@@ -331,8 +329,10 @@ def test_the_stream_helper_accumulates_the_answer(server: Server) -> None:
      "text.format.schema"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strictly": 1}}},
      "text.format.strictly"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
-     "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]},
+     "tools[0].parameters"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input[0].content[0]"),
 ])
@@ -342,3 +342,65 @@ def test_what_a_stateless_text_server_cannot_do_is_a_400_naming_it(
     with pytest.raises(openai.BadRequestError) as err:
         _client(server).responses.create(model=_model(server), **body)
     assert err.value.param == param
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "enum": ["Paris", "Rome"]}},
+               "required": ["city"], "additionalProperties": False}}
+
+
+def test_a_forced_function_call_is_an_item_whose_arguments_validate(server: Server) -> None:
+    # one call (parallel calls let the random embedded model write whitespace for more
+    # until the limit)
+    r = _respond(server, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                 parallel_tool_calls=False, max_output_tokens=60)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and len(calls) >= 1
+    assert calls[0].name == "get_weather" and calls[0].call_id
+    assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
+    named = _respond(server, input="Weather?", tools=[WEATHER], parallel_tool_calls=False,
+                     tool_choice={"type": "function", "name": "get_weather"},
+                     max_output_tokens=60)
+    assert [i.type for i in named.output] == ["function_call"]
+
+
+def test_streamed_function_call_events_reassemble_the_answer(server: Server) -> None:
+    ask: dict[str, Any] = {"input": "Weather in Rome?", "tools": [WEATHER],
+                           "tool_choice": "required", "parallel_tool_calls": False,
+                           "max_output_tokens": 60}
+    whole = _respond(server, **ask)
+    args, kinds = "", []
+    with _client(server).responses.stream(model=_model(server), temperature=0,
+                                          **ask) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.function_call_arguments.delta":
+                args += event.delta
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds
+    (call,) = [i for i in final.output if i.type == "function_call"]
+    (expected,) = [i for i in whole.output if i.type == "function_call"]
+    assert call.arguments == args == expected.arguments and call.name == expected.name
+
+
+def test_function_call_items_and_their_outputs_are_the_chat_tool_turns(
+        server: Server) -> None:
+    items: list[Any] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}]
+    r = _respond(server, input=items, tools=[WEATHER], tool_choice="none")
+    chat = _client(server).chat.completions.create(
+        model=_model(server), temperature=0, max_tokens=6, tool_choice="none",
+        tools=[{"type": "function", "function": {
+            k: WEATHER[k] for k in ("name", "description", "parameters")}}],
+        messages=[{"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": "", "tool_calls": [{
+                      "id": "call_1", "type": "function", "function": {
+                          "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}])
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage is not None and chat.usage is not None
+    assert r.usage.input_tokens == chat.usage.prompt_tokens

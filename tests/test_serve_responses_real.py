@@ -6,6 +6,7 @@ One server: the real test model (tests/real_model.py) at TP 1, memory tier only.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import openai
@@ -74,3 +75,26 @@ def test_parse_with_a_text_format_gives_a_validated_object(server: Server) -> No
                                           max_output_tokens=48) as stream:
         final = stream.get_final_response()
     assert final.output_parsed == parsed
+
+
+WEATHER = {"type": "function", "name": "get_weather",
+           "description": "The current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_a_function_tool_is_called_and_its_output_answered(server: Server) -> None:
+    ask = "What is the weather in Paris?"
+    r = _client(server).responses.create(model=_model(server), input=ask, tools=[WEATHER],
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         temperature=0, max_output_tokens=48)
+    (call,) = [i for i in r.output if i.type == "function_call"]
+    assert call.name == "get_weather" and "Paris" in json.loads(call.arguments)["city"]
+    answer = _client(server).responses.create(
+        model=_model(server), tools=[WEATHER], temperature=0, max_output_tokens=48,
+        input=[{"role": "user", "content": ask},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id,
+                "output": "sunny, 24 degrees Celsius"}])
+    assert answer.status == "completed" and answer.output_text

@@ -44,6 +44,7 @@ from .protocol import (
 )
 from .responses_api import ResponseBuilder
 from .responses_protocol import ResponsesRequest
+from .responses_setup import responses_grammar, responses_tools
 from .state import RateWindow, ServerInfo, state_document
 from .streams import Choices
 from .tools import ChoiceDeltas, ToolSetup, shape_response
@@ -387,34 +388,23 @@ class _Api:
         req = decode_request(await request.body(), ResponsesRequest)
         self._check_model(req.model)
         self._check_serving()
-        grammar = await _text_format_grammar(req)
+        tools = responses_tools(req, self.engine.chat_template)
+        grammar = await responses_grammar(req, tools)
         messages = req.messages()
-        prompt = await self._off_loop(_chars(messages), self.engine.chat_prompt, messages)
-        params = SamplingParams(
+        prompt = await self._off_loop(_chars(messages), self.engine.chat_prompt, messages,
+                                      tools.tools if tools is not None else None)
+        params = [SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, grammar=grammar,
-            max_tokens=self._budget(len(prompt), req.max_output_tokens, "max_output_tokens"))
-        out = ResponseBuilder(req, self.settings.served_model_name)
-        choices = await self._start([prompt], [params], out.id)
+            max_tokens=self._budget(len(prompt), req.max_output_tokens, "max_output_tokens"))]
+        if tools is not None:
+            params = tools.sampling(params)
+        out = ResponseBuilder(req, self.settings.served_model_name, tools)
+        choices = await self._start([prompt], params, out.id)
         if not req.stream:
             states = await _collect(choices, 1, request)
             return _json(out.response(states[0]))
         return _stream(out.events(choices), choices)
-
-
-async def _text_format_grammar(req: ResponsesRequest) -> Grammar | None:
-    """``text.format``'s grammar: chat's response_format, its errors named as the
-    Responses API names the part (``text.format.schema``, not
-    ``response_format.json_schema.schema``)."""
-    try:
-        return await structured.grammar_of(req.response_format(), None)
-    except APIError as exc:
-        if exc.param is not None:
-            exc.param = exc.param.replace("response_format.json_schema", "text.format") \
-                .replace("response_format", "text.format")
-            exc.message = exc.message.replace("response_format.json_schema",
-                                              "text.format")
-        raise
 
 
 def _messages(messages: list[Any]) -> list[dict[str, Any]]:

@@ -111,7 +111,8 @@ COMPLETIONS = Fields(
 RESPONSES = Fields(
     endpoint="responses",
     honoured=frozenset({"input", "instructions", "max_output_tokens", "model", "stream",
-                        "stream_options", "temperature", "top_p", "text"}),
+                        "stream_options", "temperature", "top_p", "text", "tools",
+                        "tool_choice", "parallel_tool_calls"}),
     informational=_INFO,
     refused={
         "store": Refused(_NO_STATE, (None, False)),
@@ -126,10 +127,7 @@ RESPONSES = Fields(
         "background_options": Refused("background responses are not supported"),
         "prompt": Refused("stored prompt templates are a feature of OpenAI's hosted "
                           "service; send instructions and input instead"),
-        "tools": Refused(f"tools are {_NOT_YET}", (None, [])),
-        "tool_choice": Refused(f"tool_choice is {_NOT_YET}", (None, "none")),
-        "parallel_tool_calls": Refused(f"parallel_tool_calls is {_NOT_YET}"),
-        "max_tool_calls": Refused(f"tools are {_NOT_YET}"),
+        "max_tool_calls": Refused("a response's function calls are not capped; omit it"),
         "include": Refused("no additional output data can be included", (None, [])),
         "reasoning": Refused("the served model does not reason; omit it"),
         "top_logprobs": Refused("logprobs are not returned by /v1/responses here; use "

@@ -6,7 +6,11 @@ Stateless: nothing is stored, so ``store: true``, ``previous_response_id``,
 sends the whole conversation as input items. ``input`` is a string (one user message)
 or a list of items: messages (``{"role", "content"}`` with or without
 ``"type": "message"``; content a string or ``input_text`` / ``output_text`` parts).
-``instructions`` goes first, as a system message, as OpenAI inserts it. ``text.format``
+``instructions`` goes first, as a system message, as OpenAI inserts it. Function
+tools and their items are chat's under another shape: ``function_call`` items become
+an assistant message's ``tool_calls`` (consecutive ones, one message), and
+``function_call_output`` items ``tool`` messages, rendered by the tool-call layer
+(``tools/``) through the model's template. ``text.format``
 (``json_object``, or ``json_schema`` with its ``name``, ``schema`` and ``strict`` inline)
 is chat's ``response_format`` under another shape: :meth:`ResponsesRequest.response_format`
 turns it into that, for the same grammar (``structured.py``).
@@ -26,7 +30,6 @@ __all__ = ["ResponsesRequest", "ResponsesStreamOptions", "ResponsesText", "TextF
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = {"input_text", "output_text", "text"}
-_NOT_YET = "not supported yet (issue 46's tool calls)"
 
 
 class TextFormat(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -117,27 +120,81 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             name=fmt.name or "response", description=fmt.description, schema=fmt.schema,
             strict=fmt.strict))
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         """The chat messages this request stands for: instructions, then the input."""
-        out: list[dict[str, str]] = []
+        out: list[dict[str, Any]] = []
         if self.instructions:
             out.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             out.append({"role": "user", "content": self.input})
             return out
         for i, item in enumerate(self.input or []):
-            out.append(_message(i, item))
+            kind = item.get("type", "message")
+            if kind == "function_call":
+                call = _call(i, item)
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                out.append(_call_output(i, item))
+            else:
+                out.append(_message(i, kind, item))
         return out
 
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` (function tools, flat) in chat's shape (``{"function": {...}}``)."""
+        if not self.tools:
+            return None if self.tools is None else []
+        if not isinstance(self.tools, list):
+            raise APIError(400, "tools must be a list of function tools", param="tools")
+        out = []
+        for i, t in enumerate(self.tools):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+                raise APIError(400, f"tools[{i}]: only function tools are supported, not "
+                               f"{kind!r} (hosted tools are OpenAI's service)",
+                               param=f"tools[{i}].type", code="unsupported_field")
+            out.append({"type": "function", "function": {
+                k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}})
+        return out
 
-def _message(i: int, item: dict[str, Any]) -> dict[str, str]:
-    kind = item.get("type", "message")
-    if kind in ("function_call", "function_call_output"):
-        raise APIError(400, f"input[{i}]: {kind} items are {_NOT_YET}",
-                       param=f"input[{i}].type", code="unsupported_field")
+    def chat_tool_choice(self) -> Any:
+        """``tool_choice`` in chat's shape (a named function nests its name)."""
+        c = self.tool_choice
+        if isinstance(c, dict) and c.get("type") == "function" and "name" in c:
+            return {"type": "function", "function": {"name": c["name"]}}
+        if isinstance(c, dict):
+            raise APIError(400, "tool_choice is \"none\", \"auto\", \"required\" or "
+                           "{\"type\": \"function\", \"name\": ...}", param="tool_choice")
+        return c
+
+
+def _call(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    """A ``function_call`` item as a chat tool call."""
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise APIError(400, f"input[{i}].{key} must be a string (a function_call item "
+                           f"has call_id, name and arguments)", param=f"input[{i}].{key}")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _call_output(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    """A ``function_call_output`` item as a chat ``tool`` message."""
+    if not isinstance(item.get("call_id"), str):
+        raise APIError(400, f"input[{i}].call_id must be a string",
+                       param=f"input[{i}].call_id")
+    output = item.get("output")
+    text = output if isinstance(output, str) else _text(i, output, "output")
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": text}
+
+
+def _message(i: int, kind: str, item: dict[str, Any]) -> dict[str, Any]:
     if kind != "message":
         raise APIError(400, f"input[{i}]: items of type {kind!r} are not supported; send "
-                       f"messages ({{\"role\": ..., \"content\": ...}})",
+                       f"messages, function_call and function_call_output items",
                        param=f"input[{i}].type", code="unsupported_field")
     role = item.get("role")
     if role not in _ROLES:
@@ -146,17 +203,22 @@ def _message(i: int, item: dict[str, Any]) -> dict[str, str]:
     content = item.get("content")
     if isinstance(content, str):
         return {"role": role, "content": content}
+    return {"role": role, "content": _text(i, content, "content")}
+
+
+def _text(i: int, content: Any, key: str) -> str:
+    """The text of a list of text parts (``input[i].<key>``)."""
     if not isinstance(content, list):
-        raise APIError(400, f"input[{i}].content must be a string or a list of text "
-                       f"parts", param=f"input[{i}].content")
+        raise APIError(400, f"input[{i}].{key} must be a string or a list of text parts",
+                       param=f"input[{i}].{key}")
     texts: list[str] = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS \
                 or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise APIError(400, f"input[{i}].content[{j}]: only text parts "
+            raise APIError(400, f"input[{i}].{key}[{j}]: only text parts "
                            f"({{\"type\": \"input_text\", \"text\": ...}}) are supported, "
                            f"not {kind!r}: this server serves a text model",
-                           param=f"input[{i}].content[{j}]", code="unsupported_field")
+                           param=f"input[{i}].{key}[{j}]", code="unsupported_field")
         texts.append(part["text"])
-    return {"role": role, "content": "".join(texts)}
+    return "".join(texts)
