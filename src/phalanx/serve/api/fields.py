@@ -48,7 +48,8 @@ class Fields:
     extensions: frozenset[str] = frozenset()
 
 
-_NOT_YET = "not supported yet (issue 46's structured outputs and tool calls)"
+_FUNCTIONS = ("OpenAI's deprecated functions API is not served: send tools and "
+              "tool_choice instead (the same functions, as function tools)")
 _PENALTY = "the sampler has no frequency or presence penalties; send 0 or omit it"
 _NO_STATE = "this server keeps no state: send store=false or omit it"
 _CACHE = ("the prefix cache is automatic (memory and disk tiers, keyed by the prompt's "
@@ -76,8 +77,8 @@ CHAT = Fields(
         **_COMMON_REFUSED,
         "audio": Refused("this server generates text only; omit it"),
         "modalities": Refused("this server generates text only", (None, ["text"])),
-        "function_call": Refused(f"the deprecated functions API is {_NOT_YET}"),
-        "functions": Refused(f"the deprecated functions API is {_NOT_YET}", (None, [])),
+        "function_call": Refused(_FUNCTIONS),
+        "functions": Refused(_FUNCTIONS, (None, [])),
         "prediction": Refused("predicted outputs are not supported; omit it"),
         "reasoning_effort": Refused("the served model does not reason; omit it",
                                     (None, "none")),
