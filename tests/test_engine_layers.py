@@ -214,7 +214,10 @@ def test_the_engine_imports_without_torch() -> None:
     for name in ("phalanx.engine", "phalanx.engine.engine", "phalanx.engine.llm",
                  "phalanx.engine.core.loop", "phalanx.engine.worker.local",
                  "phalanx.engine.worker.rank", "phalanx.engine.multihost.executor",
-                 "phalanx.engine.disk.tier", "phalanx.engine.disk.staging"):
+                 "phalanx.engine.disk.tier", "phalanx.engine.disk.staging",
+                 # what the parent reads a model's config, tokenizer and digest with
+                 "phalanx.engine.model.config", "phalanx.engine.model.gguf_model",
+                 "phalanx.engine.model.tokenizer", "phalanx.engine.model.fingerprint"):
         assert not loads_torch(name), name
 
 

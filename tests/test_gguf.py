@@ -252,3 +252,21 @@ def test_the_readmes_fetch_commands_give_the_served_file(gguf_path: Path,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith(gguf_path.name)
+
+
+def test_the_parent_reads_a_gguf_model_without_torch(gguf_path: Path) -> None:
+    """The server's parent process reads the file's config, tokenizer and digest; torch
+    there cost ~120 MB of its memory for nothing (it runs no model)."""
+    code = ("import sys\n"
+            "from phalanx.engine.model.config import load_config\n"
+            "from phalanx.engine.model.fingerprint import model_fingerprint\n"
+            "from phalanx.engine.model.tokenizer import Tokenizer\n"
+            f"cfg = load_config({str(gguf_path)!r})\n"
+            f"Tokenizer({str(gguf_path)!r}).encode('hi')\n"
+            f"model_fingerprint({str(gguf_path)!r}, cfg.to_dict(), 1, 64)\n"
+            "print('torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
+

@@ -26,12 +26,13 @@ from gguf.quants import dequantize
 
 from .._errors import CheckpointError, ModelConfigError
 from .gguf_file import KEPT_QUANTIZED, GGUFFile, GGUFTensor, open_gguf
-from .quant import QuantTensor
 from .weights import LoadReport, ReadLedger
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from .quant import QuantTensor
 
 __all__ = ["ARCHS", "GGUFCheckpoint", "gguf_config"]
 
@@ -331,6 +332,10 @@ class GGUFCheckpoint:
     def read_quantized(self, name: str, dim: int, start: int, stop: int) -> QuantTensor | None:
         """This rank's slice of ``name`` still in its GGUF blocks, when its type is kept
         quantized and the slice falls on block bounds; None otherwise (read it dense)."""
+        # here, not at the top: the parent reads a GGUF file's config through this
+        # module and must not import torch for it (quant.py does: ~120 MB)
+        from .quant import QuantTensor
+
         where = self._where.get(name)
         if where is None:
             return None
