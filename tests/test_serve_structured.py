@@ -301,9 +301,10 @@ def test_auto_lets_the_model_answer_and_none_parses_nothing(tp1: Server) -> None
     client = tp1.openai()
     choice = _ask(client, tool_choice="none")
     assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
-    choice = _ask(client)                             # auto: a valid call, or text
-    if choice.message.tool_calls:
-        _valid(choice)
+    for stream in (False, True):                      # auto: text, or valid calls
+        choice = _ask(client, stream)
+        if choice.message.tool_calls:
+            _valid(choice)
 
 
 def test_a_two_turn_exchange_renders_through_the_template(tp1: Server) -> None:

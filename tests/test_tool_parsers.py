@@ -79,7 +79,11 @@ def test_each_format_parses_whole_and_streamed(template: str, name: str, text: s
     got, streamed, _ = _replay([d for ch in text for d in stream.feed(ch)] + stream.finish())
     assert [(n, json.loads(a)) for n, a in streamed] == want
     assert got.split() == (want_content or "").split() or not want
-    # the grammar that forces this format's calls compiles, once and in parallel
+    # the grammars of this format's calls compile: forced once, forced in parallel, auto
     fns = [t["function"] for t in TOOLS]
     for parallel in (False, True):
-        compile_grammar("grammar", fmt.grammar(fns, parallel))
+        compile_grammar("lark", fmt.grammar(fns, parallel))
+    lazy = fmt.lazy_grammar(fns)   # auto's: free text, valid calls (Hermes)
+    assert (lazy is not None) == (name == "hermes")
+    if lazy is not None:
+        compile_grammar("lark", lazy)

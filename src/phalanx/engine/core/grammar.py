@@ -32,7 +32,8 @@ from .._errors import GrammarError
 __all__ = ["CACHE_SIZE", "JSON_STYLE", "Grammar", "GrammarKind", "GrammarTable",
            "compile_grammar"]
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+# "grammar": a client's Lark or GBNF; "lark": the server's own Lark (tool calls)
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
 CACHE_SIZE = 256           # compiled grammars kept in the parent (and sent to rank 0)
 MAX_SOURCE = 256 << 10     # characters of one schema, regex or grammar
 MAX_CHOICES = 1024
@@ -118,7 +119,8 @@ def _build(kind: GrammarKind, canon: str) -> str:
         text = LLMatcher.grammar_from_lark(f"start: {alts}\n")
     else:
         source = canon
-        if "::=" in source:  # GBNF (llama.cpp's, as vLLM's xgrammar backend takes it)
+        # GBNF (llama.cpp's, as vLLM's xgrammar backend takes it)
+        if kind == "grammar" and "::=" in source:
             try:
                 source = gbnf_to_lark(source)
             except Exception as exc:  # noqa: BLE001  the converter's own error, named

@@ -183,16 +183,17 @@ class _Api:
 
     async def _grammar(self, req: ChatCompletionRequest, tools: ToolSetup | None
                        ) -> Grammar | None:
-        """The request's grammar: its tools' (``required``, a named function) or its
-        structured output's; both at once is a 400."""
-        forced = await asyncio.to_thread(tools.grammar) if tools is not None else None
-        if forced is None:
+        """The request's grammar: its structured output's, else its tools' (forced
+        calls, or ``auto``'s valid calls in free text); a structured output with forced
+        calls is a 400."""
+        wanted = structured.constraint_of(req.response_format, req.structured_outputs)
+        if tools is None or (wanted is not None and tools.choice in ("auto", "none")):
             return await structured.grammar_of(req.response_format, req.structured_outputs)
-        if structured.constraint_of(req.response_format, req.structured_outputs):
+        if wanted is not None:
             raise APIError(400, "tool_choice forces a function call, which leaves no room "
                            "for response_format or structured_outputs: send one of them",
                            param="tool_choice")
-        return forced
+        return await asyncio.to_thread(tools.grammar)
 
     def _check_serving(self) -> None:
         """A 503 with Retry-After before any work while the engine is down or healing."""

@@ -37,6 +37,8 @@ class ToolFormat(Protocol):
 
     def grammar(self, schemas: list[JSON], parallel: bool) -> str: ...
 
+    def lazy_grammar(self, schemas: list[JSON]) -> str | None: ...
+
 
 def format_of(template: str | None) -> ToolFormat:
     """The tool-call format of a model with chat ``template``."""

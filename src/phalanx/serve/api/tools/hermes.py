@@ -18,6 +18,8 @@ import json
 import re
 from typing import Any
 
+from llguidance import StructTag
+
 from phalanx.engine.core.grammar import JSON_STYLE
 
 from .calls import call_deltas, openai_call
@@ -160,6 +162,17 @@ class _Hermes:
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return (f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
                 f"body: %json {styled}\n")
+
+
+    def lazy_grammar(self, schemas: list[JSON]) -> str | None:
+        """``auto``'s grammar: free text, but a ``<tool_call>`` it opens is a call of
+        one of ``schemas`` with valid arguments (llguidance's lazy trigger)."""
+        tags = [StructTag(trigger=OPEN, begin=f'{OPEN}\n{{"name": {json.dumps(s["name"])}, '
+                          f'"arguments": ',
+                          grammar={**(s.get("parameters") or {"type": "object"}),
+                                   "x-guidance": JSON_STYLE},
+                          end=f"}}\n{CLOSE}") for s in schemas]
+        return str(StructTag.to_grammar(tags, assume_special=False))
 
 
 FORMAT = _Hermes()

@@ -47,5 +47,8 @@ class _Llama3:
         start = 'start: call ("; " call)*' if parallel else "start: call"
         return f"{start}\ncall: %json {styled}\n"
 
+    def lazy_grammar(self, schemas: list[JSON]) -> str | None:
+        return None     # auto is parsed, not constrained, in this format
+
 
 FORMAT = _Llama3()

@@ -59,5 +59,8 @@ class _Mistral:
         styled = json.dumps({**schema, "x-guidance": JSON_STYLE})
         return f'start: "{TAG}" %json {styled}\n'
 
+    def lazy_grammar(self, schemas: list[JSON]) -> str | None:
+        return None     # auto is parsed, not constrained, in this format
+
 
 FORMAT = _Mistral()

@@ -5,8 +5,10 @@ arguments parse and match the function's ``parameters`` schema.
 The grammar is the model's format's (``formats.py``; Hermes: ``<tool_call>\\n{json}\\n
 </tool_call>``), once, or one or more times when ``parallel_tool_calls`` is true
 (OpenAI's default), the JSON an ``anyOf`` over the allowed functions of ``{"name":
-const, "arguments": parameters}``; after the last call only EOS is allowed. ``auto``
-constrains nothing: the model chooses, and what it writes in its format is parsed.
+const, "arguments": parameters}``; after the last call only EOS is allowed. Under
+``auto`` the model chooses: its text is free, but a call it opens (Hermes: once it
+writes ``<tool_call>``, llguidance's lazy trigger) must be one of the functions with
+valid arguments; formats without such a grammar are parsed, not constrained.
 """
 
 from __future__ import annotations
@@ -88,14 +90,19 @@ class ToolSetup:
         return self.choice != "none"
 
     def grammar(self) -> Grammar | None:
-        """The grammar that forces calls (``required``, a named function), else None."""
-        if self.choice in ("none", "auto"):
+        """The grammar of the calls: forced (``required``, a named function), or, under
+        ``auto``, free text in which a call the model opens must be valid (where the
+        format has such a grammar); None under ``none``."""
+        if self.choice == "none":
             return None
         fns = [t["function"] for t in self.tools
-               if self.choice == "required" or t["function"]["name"] == self.choice]
-        lark = self.fmt.grammar(fns, self.parallel)
+               if self.choice in ("required", "auto") or t["function"]["name"] == self.choice]
+        lark = self.fmt.lazy_grammar(fns) if self.choice == "auto" else self.fmt.grammar(
+            fns, self.parallel)
+        if lark is None:
+            return None
         try:
-            return compile_grammar("grammar", lark)
+            return compile_grammar("lark", lark)
         except GrammarError as exc:
             raise APIError(400, f"tools: a function's parameters cannot be compiled: {exc}",
                            param="tools", code="invalid_structured_output") from None
