@@ -34,6 +34,7 @@ from ..core.executor import RankMemory
 from ..core.plan import SamplingSpec, StepPlan, StepResult, TokenLogprobs
 from ..model.attention import DecodeGather, build_meta
 from ..model.config import ModelConfig, load_config
+from ..model.gguf_file import forget_gguf_files
 from ..model.parallel import SoloComm, TPComm
 from ..model.tokenizer import Tokenizer
 from ..model.transformer import CausalLM
@@ -217,6 +218,7 @@ class Runner:
             if not (plan.grammars or any(c.sampling.grammar for c in plan.chunks)):
                 return None
             tok = Tokenizer(self.model_dir)
+            forget_gguf_files()   # the metadata parse is ~145 MB; kept only while loading
             self._matchers = Matchers(tok.to_json(), self.cfg.vocab_size,
                                       self.cfg.eos_token_ids)
         self._matchers.update(plan)
