@@ -404,3 +404,17 @@ def test_function_call_items_and_their_outputs_are_the_chat_tool_turns(
     assert r.output_text == chat.choices[0].message.content
     assert r.usage is not None and chat.usage is not None
     assert r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_malformed_tool_call_in_a_message_is_a_400(server: Server, path: str) -> None:
+    """The fuzzer's ``"tool_calls": [{}]`` was a 500 (KeyError in the renderer)."""
+    r = server.client.post(path, json={"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{}]}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages[1].tool_calls[0]"
+
+
+def test_a_response_without_input_is_a_400_naming_it(server: Server) -> None:
+    r = server.client.post("/v1/responses", json={"instructions": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text

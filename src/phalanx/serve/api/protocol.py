@@ -169,6 +169,20 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     tool_calls: list[dict[str, Any]] | None = None   # an assistant's calls (issue 46)
     tool_call_id: str | None = None                  # a tool result's call
 
+    def check_calls(self, index: int) -> None:
+        """Each of ``tool_calls`` is ``{"id", "type": "function", "function": {"name",
+        "arguments"}}``: the template and the renderer read them (the fuzzer's
+        ``"tool_calls": [{}]`` was a 500)."""
+        for j, call in enumerate(self.tool_calls or []):
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not isinstance(fn.get("arguments", ""), str | dict) \
+                    or not isinstance(call.get("id", ""), str):
+                raise APIError(400, f"messages[{index}].tool_calls[{j}] is {{\"id\": ..., "
+                               f"\"type\": \"function\", \"function\": {{\"name\": ..., "
+                               f"\"arguments\": \"...\"}}}}",
+                               param=f"messages[{index}].tool_calls[{j}]")
+
     def text(self, index: int) -> str:
         """The message's text: a string, or the ``text`` parts of a content list."""
         if self.content is None:
@@ -220,6 +234,8 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
         if not self.messages:
             raise APIError(400, "messages is empty: send at least one message",
                            param="messages")
+        for i, m in enumerate(self.messages):
+            m.check_calls(i)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
 
@@ -240,6 +256,8 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+        for i, m in enumerate(self.messages or []):
+            m.check_calls(i)
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -251,6 +269,7 @@ class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
+_MISSING = re.compile(r"Object missing required field `([^`]*)`")
 
 
 def decode_request(body: bytes, kind: type[T]) -> T:
@@ -267,6 +286,9 @@ def decode_request(body: bytes, kind: type[T]) -> T:
         if unknown:
             raise unknown_field(unknown.group(1), path,
                                 getattr(kind, "FIELDS", None)) from None
+        missing = _MISSING.match(message)
+        if missing:  # name the field itself, not the object that lacks it
+            path = f"{path}.{missing.group(1)}" if path else missing.group(1)
         raise APIError(400, f"invalid request: {message}", param=path or None) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None

@@ -58,7 +58,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     FIELDS: ClassVar[Fields] = RESPONSES
 
-    input: str | list[dict[str, Any]] | None = None
+    input: str | list[dict[str, Any]]   # required: no state to continue from
     instructions: str | None = None
     max_output_tokens: PositiveInt | None = None
     model: str | None = None
@@ -97,7 +97,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     def check(self) -> None:
         check_refused(self, self.FIELDS)
-        if self.input is None or self.input == [] or self.input == "":
+        if self.input == [] or self.input == "":
             raise APIError(400, "input is required: a string, or a list of input items "
                            "(this server keeps no state to continue from)", param="input")
         if self.stream_options is not None and not self.stream:
