@@ -16,6 +16,7 @@ the two give the same tokens:
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     import torch
 
     from .quant import QuantTensor
+
+log = logging.getLogger("phalanx.engine")
 
 __all__ = ["ARCHS", "GGUFCheckpoint", "gguf_config"]
 
@@ -210,10 +213,32 @@ def gguf_config(f: GGUFFile, dtype: str | None) -> dict[str, Any]:
     if dtype is None:
         dtype = "float32" if kept else _float_dtype(f)
         raw["quantization"] = "gguf" if kept else "none"
+        if kept:
+            _name_dequantized(f, dtype)
     else:
         raw["quantization"] = "none"
     raw["dtype"] = dtype
     return raw
+
+
+_NAMED: set[Path] = set()
+
+
+def _name_dequantized(f: GGUFFile, dtype: str) -> None:
+    """One line at start naming the quantized types this engine does not keep (Q6_K's
+    16-weight scales, Q2_K, Q3_K: engine/model/quant.py) and what they become; once per
+    process and file (a start reads the config several times)."""
+    if f.path in _NAMED:
+        return
+    _NAMED.add(f.path)
+    left: dict[str, int] = {}
+    for t in f.tensors.values():
+        if t.quantized and t.qtype not in KEPT_QUANTIZED and len(t.shape) == 2:
+            left[t.qtype] = left.get(t.qtype, 0) + 1
+    if left:
+        types = ", ".join(f"{n} {q}" for q, n in sorted(left.items()))
+        log.warning("%s: %s tensors are not kept quantized by this engine: dequantized "
+                    "to %s at load", f.path.name, types, dtype)
 
 
 def rope_freq_factors(f: GGUFFile) -> tuple[float, ...] | None:
@@ -342,7 +367,7 @@ class GGUFCheckpoint:
         t = self._lookup(where)
         if t.qtype not in KEPT_QUANTIZED or len(t.shape) != 2:
             return None
-        block = QuantTensor.BLOCK
+        block = QuantTensor.block_size(t.qtype)
         if dim == 1 and (start % block or stop % block):
             return None
         self._check(name, t, dim, start, stop)

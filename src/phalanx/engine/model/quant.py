@@ -1,16 +1,27 @@
-"""Quantized weights on CPU: GGUF's Q4_0/Q4_1/Q8_0 blocks kept at 4 or 8 bits in memory.
+"""Quantized weights on CPU: GGUF's blocks kept at 4 or 8 bits in memory.
 
 Matmuls go through torch's packed-int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``:
 groups of 32 along the input, ``w = (q - 8) * scale + zero`` per group and output row,
 bfloat16 activations, scales, zeros and outputs: its float16 and float32 forms take
-10-50x longer on CPU, measured). GGUF's formats map onto it exactly:
+10-50x longer on CPU, measured). GGUF's formats map onto it exactly, each as ``w = q *
+s + z`` per 32 weights (:meth:`QuantTensor.decode`) and then as kernel planes:
 
-- Q4_0 (``w = d * (q - 8)``): scale ``d``, zero 0;
-- Q4_1 (``w = d * q + m``): scale ``d``, zero ``m + 8 d``;
-- Q8_0 (``w = d * q``, q in [-128, 127]) is split into two exact 4-bit planes,
-  ``q = 16 hi + lo`` with lo in [0, 15]: plane hi (stored ``hi + 8``, scale ``16 d``,
-  zero 0) plus plane lo (scale ``d``, zero ``8 d``). Both planes run as one matmul with
-  twice the output rows, summed: 8 bits per weight, as Q8_0 holds them.
+- 4-bit types, one plane (kernel zero ``z + 8 s``): Q4_0 (``s = d``, ``z = -8 d``), Q4_1
+  (``s = d``, ``z = m``) and Q4_K (per 32-weight sub-block ``s = d * sc``,
+  ``z = -dmin * m``, the 6-bit sc and m unpacked by gguf's own ``Q4_K.get_scale_min``);
+- 5- and 8-bit types, two exact 4-bit planes ``q = 16 hi + lo``, lo in [0, 15]: plane
+  hi (stored ``hi + 8``, scale ``16 s``, zero 0) plus plane lo (scale ``s``, zero
+  ``z + 8 s``), run as one matmul with twice the output rows, summed: Q8_0
+  (``s = d``, ``z = 0``), Q5_0 (``z = -16 d``), Q5_1 (``z = m``), Q5_K (as Q4_K).
+- Q6_K is not kept: its scales are per 16 weights and the kernel's smallest group is 32
+  (exact planes would take 16 bits a weight, a dense bfloat16 weight's size); Q2_K and
+  Q3_K neither (16-weight groups too). They are dequantized at load, named at start.
+
+``aten._weight_int8pack_mm`` was not used: it takes one scale per output row, and these
+formats have one per 32 (or 16) weights (requantizing per row loses what the file
+holds). The scales and zeros are rounded to bfloat16 (the kernel's type): under 0.4%
+of a group's step. docs/design.md ("Quantized weights on CPU", issue 44) has the
+measurements.
 
 The model around these matmuls runs in float32 (the residual stream, norms, attention
 and KV): only each matmul's input is rounded to bfloat16. The LM head's input is not
@@ -20,11 +31,6 @@ because the logits are where rounding costs most (issue 44: KL from the float32 
 0.00157 with a bfloat16 model, 0.00115 with a float32 one, 0.00071 with the head's
 input split; docs/design.md). The head runs on one row per sequence at decode, so the
 doubled rows cost nothing measurable there.
-
-``aten._weight_int8pack_mm`` was not used for Q8_0: it takes one scale per output row,
-and Q8_0 has one per 32 weights (requantizing per row loses what the file holds). The
-scales and zeros are rounded to bfloat16 (the kernel's type): under 0.4% of a group's
-step. docs/design.md ("Quantized weights on CPU") has the measurements.
 
 Embedding rows (:class:`QuantRows`) are gathered still quantized and decoded per lookup.
 """
@@ -43,7 +49,17 @@ if TYPE_CHECKING:
 __all__ = ["Int4Matmul", "QuantRows", "QuantTensor"]
 
 _GROUP = 32
-_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# per type: weights per block, bytes per block, 4-bit planes the kernel runs
+_BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256,
+          "Q5_K": 256}
+_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144,
+          "Q5_K": 176}
+_PLANES = {"Q4_0": 1, "Q4_1": 1, "Q5_0": 2, "Q5_1": 2, "Q8_0": 2, "Q4_K": 1, "Q5_K": 2}
+
+
+def _f16(raw: np.ndarray) -> torch.Tensor:
+    """float16 fields (2 bytes at the end of ``raw``'s last axis) as float32."""
+    return torch.from_numpy(raw.copy().view(np.float16)[..., 0].astype(np.float32))
 
 
 @dataclass
@@ -60,36 +76,88 @@ class QuantTensor:
     def block_bytes(qtype: str) -> int:
         return _BYTES[qtype]
 
+    @staticmethod
+    def block_size(qtype: str) -> int:
+        """Weights per block: a column slice must fall on these bounds."""
+        return _BLOCK[qtype]
+
     @property
     def rows(self) -> int:
         return int(self.data.shape[0])
 
-    def decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, scale, zero): q [rows, cols] (uint8 0..15 for Q4_*, int8 for Q8_0), scale and
-        zero float32 [rows, cols / 32], with ``w = (q - 8) * scale + zero`` for Q4_* and
-        ``w = q * scale`` for Q8_0."""
+    @property
+    def planes(self) -> int:
+        return _PLANES[self.qtype]
 
+    def decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, scale, zero) with ``w = q * scale + zero`` per group of 32: q [rows, cols]
+        (uint8 0..15 for Q4_*, 0..31 for Q5_*, int8 for Q8_0), scale and zero float32
+        [rows, cols / 32], computed from the file's float16 fields in float32 (exact)."""
         blocks = np.ascontiguousarray(self.data).reshape(self.rows, -1, _BYTES[self.qtype])
-        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        d = _f16(blocks[..., 0:2])
         if self.qtype == "Q8_0":
             q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(self.rows, -1)
             return q, d, torch.zeros_like(d)
-        if self.qtype == "Q4_1":
-            m = torch.from_numpy(
-                blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-            qs = torch.from_numpy(blocks[..., 4:].copy())
-            zero = m + 8 * d
+        if self.qtype in ("Q4_0", "Q4_1"):
+            if self.qtype == "Q4_1":
+                zero, qs = _f16(blocks[..., 2:4]), torch.from_numpy(blocks[..., 4:].copy())
+            else:
+                zero, qs = -8 * d, torch.from_numpy(blocks[..., 2:].copy())
+            # a block's first 16 weights are its bytes' low nibbles, the next 16 the high
+            q = torch.cat((qs & 15, qs >> 4), dim=-1).reshape(self.rows, -1)
+            return q, d, zero
+        if self.qtype in ("Q5_0", "Q5_1"):
+            # w = d * (q - 16) or d * q + m; weight j's fifth bit is bit j of qh (u32 LE)
+            at = 4 if self.qtype == "Q5_1" else 2
+            zero = _f16(blocks[..., 2:4]) if self.qtype == "Q5_1" else -16 * d
+            qh = torch.from_numpy(blocks[..., at:at + 4].copy())
+            high = ((qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1)
+            qs = torch.from_numpy(blocks[..., at + 4:].copy())
+            q = torch.cat((qs & 15, qs >> 4), dim=-1) | (high.reshape(*qh.shape[:-1], 32) << 4)
+            return q.reshape(self.rows, -1), d, zero
+        return self._decode_k(blocks, d)
+
+    def _decode_k(self, blocks: np.ndarray, d: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q4_K / Q5_K: 256 weights in 8 sub-blocks of 32, ``w = d*sc*q - dmin*m`` with
+        6-bit sc and m per sub-block (gguf's own unpacking of their 12 bytes)."""
+        from gguf.quants import Q4_K
+
+        rows, nb = blocks.shape[0], blocks.shape[1]
+        flat = blocks.reshape(rows * nb, -1)
+        dmin = _f16(blocks[..., 2:4])
+        sc, m = (torch.from_numpy(a.astype(np.float32)).view(rows, nb, 8)
+                 for a in Q4_K.get_scale_min(flat[:, 4:16]))
+        scale = (d.unsqueeze(-1) * sc).view(rows, -1)
+        zero = -(dmin.unsqueeze(-1) * m).view(rows, -1)
+        if self.qtype == "Q4_K":
+            qs = torch.from_numpy(flat[:, 16:].copy()).view(rows * nb, 4, 1, 32)
         else:
-            qs = torch.from_numpy(blocks[..., 2:].copy())
-            zero = torch.zeros_like(d)
-        # a block's first 16 weights are its bytes' low nibbles, the next 16 the high ones
-        q = torch.cat((qs & 15, qs >> 4), dim=-1).reshape(self.rows, -1)
-        return q, d, zero
+            qs = torch.from_numpy(flat[:, 48:].copy()).view(rows * nb, 4, 1, 32)
+        # each 32 bytes hold two sub-blocks: the low nibbles, then the high ones
+        q = torch.cat((qs & 15, qs >> 4), dim=2).reshape(rows * nb, 8, 32)
+        if self.qtype == "Q5_K":
+            qh = torch.from_numpy(flat[:, 16:48].copy()).view(rows * nb, 1, 32)
+            bit = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+            q = q | (((qh >> bit) & 1) << 4)
+        return q.reshape(rows, -1), scale, zero
+
+    def kernel_planes(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The kernel's form, ``w = sum over planes of (q - 8) * scale + zero``, q 0..15.
+        One plane for 4-bit types (zero + 8 scale); two exact planes for 5- and 8-bit
+        ones, ``q = 16 hi + lo``: plane hi (stored ``hi + 8``, scale ``16 s``, zero 0)
+        and plane lo (scale ``s``, zero ``zero + 8 s``)."""
+        q, scale, zero = self.decode()
+        if self.planes == 1:
+            return [(q, scale, zero + 8 * scale)]
+        q32 = q.to(torch.int32)
+        return [((q32 >> 4) + 8, 16 * scale, torch.zeros_like(zero)),
+                (q32 & 15, scale, zero + 8 * scale)]
 
 
 class Int4Matmul(torch.nn.Module):
     """``x W^T`` over int4-packed rows of one or more GGUF tensors (stacked as output rows:
-    q/k/v or gate/up). All parts Q4_0/Q4_1, or all Q8_0 (two planes)."""
+    q/k/v or gate/up), all of one plane count (see :func:`compatible`)."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
@@ -103,16 +171,12 @@ class Int4Matmul(torch.nn.Module):
             raise ValueError("parts of one packed layer must share cols and kind")
         self.cols = cols.pop()
         self.out_features = sum(p.rows for p in parts)
-        decoded = [p.decode() for p in parts]
-        q = torch.cat([d[0] for d in decoded])
-        scale = torch.cat([d[1] for d in decoded])
-        zero = torch.cat([d[2] for d in decoded])
-        self.planes = 2 if parts[0].qtype == "Q8_0" else 1
-        if self.planes == 2:
-            q8 = q.to(torch.int32)
-            hi, lo = (q8 >> 4) + 8, q8 & 15      # q = 16 (hi - 8) + lo, exactly
-            q = torch.cat((hi, lo))
-            scale, zero = torch.cat((16 * scale, scale)), torch.cat((zero, 8 * scale))
+        self.planes = parts[0].planes
+        # plane by plane, every part's rows: y = sum of the planes' row blocks
+        decoded = [p.kernel_planes() for p in parts]
+        q = torch.cat([d[i][0].to(torch.int32) for i in range(self.planes) for d in decoded])
+        scale = torch.cat([d[i][1] for i in range(self.planes) for d in decoded])
+        zero = torch.cat([d[i][2] for i in range(self.planes) for d in decoded])
         pad = -q.shape[0] % 16            # the kernel packs output rows by 16
         if pad:
             q = torch.cat((q, torch.full((pad, self.cols), 8, dtype=q.dtype)))
@@ -145,9 +209,9 @@ class Int4Matmul(torch.nn.Module):
 
 
 def compatible(parts: list[QuantTensor]) -> bool:
-    """Whether ``parts`` can share one :class:`Int4Matmul` (kernel needs cols % 32 == 0)."""
-    kinds = {"Q8_0" if p.qtype == "Q8_0" else "Q4" for p in parts}
-    return len(kinds) == 1 and all(p.cols % _GROUP == 0 for p in parts)
+    """Whether ``parts`` can share one :class:`Int4Matmul`: the same number of planes
+    (each plane's rows are stacked over the parts), and cols % 32 == 0 (the kernel's)."""
+    return len({p.planes for p in parts}) == 1 and all(p.cols % _GROUP == 0 for p in parts)
 
 
 class QuantRows(torch.nn.Module):
@@ -160,9 +224,7 @@ class QuantRows(torch.nn.Module):
 
     def __init__(self, t: QuantTensor, dtype: torch.dtype) -> None:
         super().__init__()
-        q, scale, zero = t.decode()
-        if t.qtype != "Q8_0":     # fold the -8 into the zero: w = q * scale + zero
-            zero = zero - 8 * scale
+        q, scale, zero = t.decode()       # w = q * scale + zero
         self.dtype = dtype
         self.register_buffer("q", q.to(torch.int8) if t.qtype == "Q8_0" else q)
         self.register_buffer("scale", scale)

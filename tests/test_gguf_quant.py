@@ -1,0 +1,140 @@
+"""Quantized tensor types kept quantized: each one's kernel form against gguf's own
+dequantization (``gguf.quants.dequantize``), on real tensors that llama.cpp's
+``llama-quantize`` (the pinned build, ``phalanx_bench.llamacpp_build``) made from the real
+model; and a Q4_K_M file (Q4_K, Q5_0, Q6_K and Q8_0 tensors mixed) served from its own
+types.
+
+The quantized files are made once into the test-model cache (``requantized/`` beside
+the real model: never committed): the real model's Q4_1 dequantized to F32 by
+llama-quantize, then quantized to each type.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from phalanx.engine.model.gguf_file import KEPT_QUANTIZED, GGUFFile
+from phalanx.engine.model.quant import Int4Matmul, QuantTensor
+from phalanx_bench.llamacpp_build import quantize_path
+from real_model import fetch
+
+# file type -> the tensor types llama-quantize writes for SmolLM2 (576-wide rows are not
+# a multiple of 256: its K-quant files fall back to Q5_0/Q5_1 there)
+FILES = {"Q4_1": ("Q4_1", "Q8_0"), "Q4_0": ("Q4_0",),
+         "Q4_K_M": ("Q4_K", "Q5_0", "Q6_K", "Q8_0"), "Q5_K_M": ("Q5_K", "Q5_1")}
+# weights held at TP 1 over the Q4_K_M file's bytes: measured 218 MiB over 101 (2.17x)
+HELD_OVER_FILE = 2.3
+
+
+def _quantize(src: Path, dst: Path, ftype: str) -> None:
+    tool = quantize_path()
+    if not tool.exists():
+        pytest.skip(f"no llama-quantize at {tool}: bench/setup_llamacpp.sh builds it")
+    part = dst.with_suffix(".part")
+    subprocess.run([str(tool), "--allow-requantize", str(src), str(part), ftype],
+                   check=True, capture_output=True, timeout=600)
+    part.replace(dst)
+
+
+@pytest.fixture(scope="module")
+def files() -> dict[str, Path]:
+    """File type -> the real model quantized to it (made once into the cache)."""
+    real = fetch()
+    cache = real.parent / "requantized"
+    cache.mkdir(mode=0o700, exist_ok=True)
+    f32 = cache / "SmolLM2-135M-Instruct.F32.gguf"
+    out = {"Q4_1": real}
+    for ftype in FILES:
+        if ftype == "Q4_1":
+            continue
+        path = cache / f"SmolLM2-135M-Instruct.{ftype}.gguf"
+        if not path.exists():
+            if not f32.exists():
+                _quantize(real, f32, "F32")
+            _quantize(f32, path, ftype)
+        out[ftype] = path
+    if f32.exists():
+        f32.unlink()  # 540 MB, needed only to make the others
+    return out
+
+
+Sample = tuple[str, QuantTensor, np.ndarray]
+
+
+@pytest.fixture(scope="module")
+def samples(files: dict[str, Path]) -> dict[str, list[Sample]]:
+    """Per type, up to two tensors (their first 64 rows) with gguf's own dequantization
+    of the same rows; each file parsed once (its vocabulary takes seconds)."""
+    rows = 64
+    out: dict[str, list[Sample]] = {}
+    for ftype, path in files.items():
+        f = GGUFFile(path)
+        for t in f.tensors.values():
+            found = out.setdefault(t.qtype, [])
+            if t.qtype in FILES[ftype] and len(t.shape) == 2 and len(found) < 2:
+                raw = np.array(t.data[:rows])    # a copy: the map closes with f
+                dense = dequantize(raw, GGMLQuantizationType[t.qtype]).reshape(rows, -1)
+                found.append((t.name, QuantTensor(t.qtype, raw, t.shape[1]), dense))
+        del f
+    return out
+
+
+@pytest.mark.parametrize("qtype", KEPT_QUANTIZED)
+def test_each_kept_type_is_gguf_dequantization_exactly(samples: dict[str, list[Sample]],
+                                                       qtype: str) -> None:
+    """decode() and the kernel planes give gguf's float32 weights to float rounding; the
+    kernel's matmul is a bfloat16 matmul of them."""
+    assert samples.get(qtype), f"no {qtype} tensor in the quantized files"
+    for name, qt, dense in samples[qtype]:
+        want = torch.from_numpy(dense.astype(np.float64))
+        q, scale, zero = qt.decode()
+        w = (q.double().view(qt.rows, -1, 32) * scale.double().unsqueeze(-1)
+             + zero.double().unsqueeze(-1)).view(qt.rows, -1)
+        assert torch.allclose(w, want, rtol=1e-6, atol=1e-7), name
+        planes = sum((p.double() - 8).view(qt.rows, -1, 32) * s.double().unsqueeze(-1)
+                     + z.double().unsqueeze(-1) for p, s, z in qt.kernel_planes())
+        assert torch.allclose(planes.view(qt.rows, -1), want, rtol=1e-6, atol=1e-7), name
+        x = torch.randn(4, qt.cols, generator=torch.Generator().manual_seed(0))
+        ref = x.double() @ want.T
+        got = Int4Matmul([qt])(x).double()
+        # bfloat16 input, scales, zeros and output: measured 0.25-0.35% for one plane,
+        # up to 0.61% for two (each plane's output is rounded before their sum)
+        assert float((got - ref).norm() / ref.norm()) < 0.01, name
+
+
+@pytest.mark.slow  # an engine start and two models over a 512-token chunk: ~50 s
+def test_a_q4_k_m_file_is_served_from_its_own_types(files: dict[str, Path],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The type users hold most: its Q4_K, Q5_0 and Q8_0 tensors stay in their blocks,
+    its Q6_K ones (16-weight scales: not kept) are named at start in one line, the
+    weights held are bounded at what was measured (Q6_K dense and the 5-bit types in
+    two 4-bit planes keep them above the file's bytes: docs/design.md, issue 44), and
+    its next-token distributions stay near the float32 dequantized model's. (Paris is
+    not asked: this file, requantized from the Q4_1 release, answers "L'Etoile" even
+    dequantized to float32.)"""
+    from phalanx.engine.llm import LLM
+    from phalanx.engine.model.gguf_file import forget_gguf_files
+    from phalanx.engine.model.tokenizer import Tokenizer
+    from phalanx_bench import fidelity_score
+
+    path = files["Q4_K_M"]
+    with caplog.at_level("WARNING", logger="phalanx.engine"), \
+            LLM(model=str(path), tensor_parallel_size=1, dtype=None) as llm:
+        held = llm.engine.stats().rank_weight_bytes[0]
+    named = [r.getMessage() for r in caplog.records if "not kept quantized" in r.getMessage()]
+    assert len(named) == 1 and "14 Q6_K" in named[0] and "float32" in named[0], named
+    assert held < HELD_OVER_FILE * path.stat().st_size, held
+
+    ids = Tokenizer(path).encode(fidelity_score.text())[:512]
+    base = fidelity_score.log_probs(path, "float32", ids, 512)
+    got = fidelity_score.kl_top1(base, fidelity_score.log_probs(path, None, ids, 512))
+    forget_gguf_files()   # the parsed file holds a descriptor while kept
+    # measured over this chunk: KL 0.00071, top-1 98.0% (over the whole text: 0.00090)
+    assert got.kl < 0.002 and got.top1 > 0.96, got
