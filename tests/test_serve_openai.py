@@ -141,6 +141,33 @@ def test_an_unknown_field_is_a_400_and_informational_ones_are_accepted(
     assert _create(server, fields, **info, **neutral) is not None
 
 
+def test_a_messages_keys_are_openais_or_a_400_naming_the_key(server: Server) -> None:
+    """A message's own keys follow the rule of the request's: an answer echoed back
+    (what the openai client sends of a ChatCompletionMessage) is accepted; an unknown
+    key, and audio or function_call set, are 400s naming messages[i].key."""
+    c, model = _client(server), _model(server)
+    first = c.chat.completions.create(model=model, max_tokens=3,
+                                      messages=[{"role": "user", "content": "hi"}])
+    echoed = first.choices[0].message.model_dump()   # refusal, annotations, audio: None
+    assert {"refusal", "audio", "function_call"} <= set(echoed)
+    again = c.chat.completions.create(model=model, max_tokens=3, messages=[
+        {"role": "user", "content": "hi"}, echoed, {"role": "user", "content": "and?"}])
+    assert again.choices[0].finish_reason == "length"
+    bad: list[tuple[dict[str, Any], str, str]] = [
+        ({"role": "user", "content": "hi", "weight": 2}, "messages[0].weight",
+         "unknown_field"),
+        ({"role": "assistant", "content": "", "audio": {"id": "a1"}}, "messages[0].audio",
+         "unsupported_field"),
+        ({"role": "assistant", "content": None,
+          "function_call": {"name": "f", "arguments": "{}"}},
+         "messages[0].function_call", "unsupported_field")]
+    for message, param, code in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model=model, max_tokens=2, messages=[
+                message, {"role": "user", "content": "hi"}])  # type: ignore[list-item]
+        assert (err.value.param, err.value.code) == (param, code), message
+
+
 def _prompt(words: int, seed: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": pages_prompt(words, seed)}]
 

@@ -162,17 +162,38 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
                        "ids or a list of token id lists, not a mix", param="prompt")
 
 
-class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One message of a chat request: OpenAI's keys of every role, and no other (an
+    unknown key is a 400 naming ``messages[i].key``, never dropped in silence).
+
+    An assistant message echoed back from an earlier answer carries ``refusal``,
+    ``annotations``, ``audio`` and ``function_call`` (the openai client sends what it
+    received): ``refusal`` and ``annotations`` describe that answer and change nothing
+    the model reads; ``audio`` and the deprecated ``function_call`` are refused when set
+    (:meth:`check_calls`)."""
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, object]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None   # an assistant's calls (issue 46)
     tool_call_id: str | None = None                  # a tool result's call
+    refusal: str | None = None                       # informational (see above)
+    annotations: list[dict[str, Any]] | None = None  # informational
+    audio: dict[str, Any] | None = None              # refused when set
+    function_call: dict[str, Any] | None = None      # refused when set: send tool_calls
 
     def check_calls(self, index: int) -> None:
         """Each of ``tool_calls`` is ``{"id", "type": "function", "function": {"name",
         "arguments"}}``: the template and the renderer read them (the fuzzer's
         ``"tool_calls": [{}]`` was a 500)."""
+        if self.audio is not None:
+            raise APIError(400, f"messages[{index}].audio is not supported: this server "
+                           "serves text models; send the message's text as content",
+                           param=f"messages[{index}].audio", code="unsupported_field")
+        if self.function_call is not None:
+            raise APIError(400, f"messages[{index}].function_call is the deprecated form "
+                           "of a call: send it as tool_calls", param=f"messages[{index}]"
+                           ".function_call", code="unsupported_field")
         for j, call in enumerate(self.tool_calls or []):
             fn = call.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
