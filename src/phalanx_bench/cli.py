@@ -22,6 +22,7 @@ _BENCHES: dict[str, str] = {
     "multihost": "multihost",
     "llamacpp": "llamacpp",
     "soak": "soak",
+    "structured": "structured",
 }
 
 
