@@ -18,9 +18,9 @@ trap 'rm -rf "$large"' EXIT
 declare -A args=([worker]="--ranks 2" [rendezvous]="--ranks 2" [domains]="--ranks 2 --cycles 1000"
                  [cache-disk]="--reps 5" [replication]="--peers 2" [engine]=""
                  [serve]="" [serve-8x512]="--model $large/m8x512" [llamacpp]=""
-                 [multihost]="--repeats 3" [soak]="")
+                 [multihost]="--repeats 3" [soak]="" [structured]="")
 for name in worker rendezvous domains cache-disk replication engine serve serve-8x512 llamacpp \
-    multihost soak; do
+    multihost soak structured; do
   b=${name%-8x512}
   # multihost makes network namespaces: root and iproute2's ip only
   if [[ $b == multihost ]] && { [[ $(id -u) != 0 ]] || ! command -v ip >/dev/null; }; then
