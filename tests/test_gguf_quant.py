@@ -40,6 +40,7 @@ def _quantize(src: Path, dst: Path, ftype: str) -> None:
     part = dst.with_suffix(".part")
     subprocess.run([str(tool), "--allow-requantize", str(src), str(part), ftype],
                    check=True, capture_output=True, timeout=600)
+    part.chmod(0o600)
     part.replace(dst)
 
 

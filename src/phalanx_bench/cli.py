@@ -21,6 +21,7 @@ _BENCHES: dict[str, str] = {
     "serve": "serve",
     "multihost": "multihost",
     "llamacpp": "llamacpp",
+    "fidelity": "fidelity",
     "soak": "soak",
     "structured": "structured",
 }
