@@ -78,8 +78,7 @@ def llamacpp_scores(model: Path, text_file: Path, n_ctx: int, threads: int,
 
 
 def _row(model: Path, n_ctx: int, threads: int, chunks: int | None) -> dict[str, Any]:
-    from phalanx.engine.model.gguf_file import forget_gguf_files
-    from phalanx.engine.model.tokenizer import Tokenizer
+    from phalanx.engine.model import Tokenizer, forget_gguf_files
 
     with tempfile.TemporaryDirectory(prefix="phalanx-fidelity-") as tmp:
         text_file = Path(tmp) / "text.txt"

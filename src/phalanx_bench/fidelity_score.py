@@ -50,9 +50,7 @@ def log_probs(path: Path, dtype: str | None, tokens: list[int], n_ctx: int,
     float32: ``dtype`` None runs the file's quantized path, a dtype the dequantized one."""
     import torch
 
-    from phalanx.engine.model.attention import build_meta
-    from phalanx.engine.model.config import load_config
-    from phalanx.engine.model.transformer import CausalLM
+    from phalanx.engine.model import CausalLM, build_meta, load_config
 
     if threads:
         torch.set_num_threads(threads)

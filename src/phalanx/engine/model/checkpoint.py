@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from .._errors import CheckpointError
 from .gguf_file import is_gguf
+from .gguf_model import GGUFCheckpoint
 from .weights import LoadReport, ReadLedger, WeightSource
 
 if TYPE_CHECKING:
@@ -39,8 +40,6 @@ def open_checkpoint(path: str | Path) -> WeightSource:
     """The weights at ``path``: a GGUF file, else a safetensors model directory."""
 
     if is_gguf(path):
-        from .gguf_model import GGUFCheckpoint
-
         return GGUFCheckpoint(path)
     return Checkpoint(path)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from .._errors import ModelConfigError
 from .gguf_file import is_gguf, open_gguf
+from .gguf_model import gguf_config, rope_freq_factors
 
 __all__ = ["ARCHITECTURES", "DTYPES", "ModelConfig", "RopeScaling", "load_config",
            "local_kv_heads"]
@@ -210,8 +211,6 @@ def load_config(model_dir: str | Path, *, max_model_len: int | None = None,
 
 
 def _gguf(path: Path, max_model_len: int | None, dtype: str | None) -> ModelConfig:
-    from .gguf_model import gguf_config, rope_freq_factors
-
     f = open_gguf(path)
     cfg = _parse(gguf_config(f, dtype), max_model_len, None, f"{path} (GGUF metadata)")
     factors = rope_freq_factors(f)

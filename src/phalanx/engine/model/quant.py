@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
+from gguf.quants import Q4_K
 
 if TYPE_CHECKING:
     import numpy as np
@@ -121,8 +122,6 @@ class QuantTensor:
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q4_K / Q5_K: 256 weights in 8 sub-blocks of 32, ``w = d*sc*q - dmin*m`` with
         6-bit sc and m per sub-block (gguf's own unpacking of their 12 bytes)."""
-        from gguf.quants import Q4_K
-
         rows, nb = blocks.shape[0], blocks.shape[1]
         flat = blocks.reshape(rows * nb, -1)
         dmin = _f16(blocks[..., 2:4])
