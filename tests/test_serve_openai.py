@@ -295,6 +295,27 @@ def test_items_and_instructions_are_the_chat_messages(server: Server) -> None:
     assert r.instructions == "Be brief."
 
 
+def test_an_items_keys_are_its_types_or_a_400_naming_the_key(server: Server) -> None:
+    """An earlier answer's output items sent back as input (the way the openai docs
+    continue a stateless conversation) are accepted; a key no item of its type has, in
+    an item or a function tool, is a 400 naming input[i].key / tools[i].key."""
+    first = _respond(server, input="Hello there")
+    echoed = [item.model_dump(exclude_none=True) for item in first.output]
+    assert {"id", "status"} <= set(echoed[0])
+    again = _respond(server, input=[{"role": "user", "content": "Hello there"}, *echoed,
+                                    {"role": "user", "content": "And then?"}])
+    assert again.output_text
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    for kw, param in [
+            ({"input": [{"role": "user", "content": "hi", "weight": 2}]}, "input[0].weight"),
+            ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1",
+                         "extra": True}]}, "input[0].extra"),
+            ({"input": "hi", "tools": [{**tool, "cache": True}]}, "tools[0].cache")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            _respond(server, **kw)
+        assert (err.value.param, err.value.code) == (param, "unknown_field"), kw
+
+
 def test_streamed_events_are_parsed_by_the_client_and_equal_the_answer(
         server: Server) -> None:
     whole = _respond(server, input="Count to ten")

@@ -130,6 +130,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             return out
         for i, item in enumerate(self.input or []):
             kind = item.get("type", "message")
+            _only_known_keys(f"input[{i}]", item, _ITEM_KEYS.get(kind))
             if kind == "function_call":
                 call = _call(i, item)
                 last = out[-1] if out else None
@@ -156,6 +157,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 raise APIError(400, f"tools[{i}]: only function tools are supported, not "
                                f"{kind!r} (hosted tools are OpenAI's service)",
                                param=f"tools[{i}].type", code="unsupported_field")
+            _only_known_keys(f"tools[{i}]", t, _TOOL_KEYS)
             out.append({"type": "function", "function": {
                 k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}})
         return out
@@ -169,6 +171,26 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise APIError(400, "tool_choice is \"none\", \"auto\", \"required\" or "
                            "{\"type\": \"function\", \"name\": ...}", param="tool_choice")
         return c
+
+
+# An item's own keys, by type: what it is, and what an output item echoed back carries
+# (``id``, ``status``: they describe an earlier answer and change nothing the model
+# reads). Any other key is a 400 naming it, as at the request's top level.
+_ITEM_KEYS: dict[str, frozenset[str]] = {
+    "message": frozenset({"type", "role", "content", "id", "status"}),
+    "function_call": frozenset({"type", "call_id", "name", "arguments", "id", "status"}),
+    "function_call_output": frozenset({"type", "call_id", "output", "id", "status"}),
+}
+_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+
+
+def _only_known_keys(where: str, obj: dict[str, Any], known: frozenset[str] | None) -> None:
+    """A 400 naming ``where.key`` for a key this item cannot have (``known`` None: an
+    item type the caller refuses itself)."""
+    for key in obj if known is not None else ():
+        if key not in known:
+            raise APIError(400, f"unknown field '{where}.{key}': not a key of this item; "
+                           "remove it", param=f"{where}.{key}", code="unknown_field")
 
 
 def _call(i: int, item: dict[str, Any]) -> dict[str, Any]:
