@@ -187,7 +187,9 @@ _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 def _only_known_keys(where: str, obj: dict[str, Any], known: frozenset[str] | None) -> None:
     """A 400 naming ``where.key`` for a key this item cannot have (``known`` None: an
     item type the caller refuses itself)."""
-    for key in obj if known is not None else ():
+    if known is None:
+        return
+    for key in obj:
         if key not in known:
             raise APIError(400, f"unknown field '{where}.{key}': not a key of this item; "
                            "remove it", param=f"{where}.{key}", code="unknown_field")
