@@ -144,21 +144,10 @@ def _why(text: str) -> str | None:
 def _deepest(schema: Any) -> str | None:
     """The path of the deepest sub-schema of ``schema`` that fails on its own (with the
     root's definitions beside it, so references still resolve), or None."""
-    defs = {k: schema[k] for k in ("$defs", "definitions")
-            if isinstance(schema, dict) and k in schema}
-    best: str | None = None
-    for path, sub in _children(schema, ""):
-        if not isinstance(sub, dict):
-            continue
-        try:
-            text = LLMatcher.grammar_from_json_schema({**sub, **defs})
-        except ValueError:
-            continue
-        if _why(text) is not None:
-            deeper = _deepest_under(sub, path, defs)
-            best = deeper or path
-            break
-    return best
+    if not isinstance(schema, dict):
+        return None
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    return _deepest_under(schema, "", defs)
 
 
 def _deepest_under(schema: dict[str, Any], path: str, defs: dict[str, Any]) -> str | None:

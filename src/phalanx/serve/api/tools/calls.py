@@ -7,7 +7,7 @@ import json
 import uuid
 from typing import Any
 
-__all__ = ["call_deltas", "json_values", "openai_call"]
+__all__ = ["call_deltas", "call_schema", "json_values", "openai_call"]
 
 JSON = dict[str, Any]
 
@@ -100,3 +100,14 @@ class BufferedStream:
             out.extend(call_deltas(self.calls, c))
             self.calls += 1
         return out
+
+
+def call_schema(schemas: list[JSON], arguments: str) -> JSON:
+    """The JSON schema of one call of any of the functions ``schemas``: ``{"name": its
+    name, <arguments>: its parameters}`` (the key each format names the arguments by)."""
+    one = [{"type": "object", "additionalProperties": False,
+            "required": ["name", arguments],
+            "properties": {"name": {"const": s["name"]},
+                           arguments: s.get("parameters") or {"type": "object"}}}
+           for s in schemas]
+    return one[0] if len(one) == 1 else {"anyOf": one}

@@ -22,7 +22,7 @@ from llguidance import StructTag
 
 from phalanx.engine.core.grammar import JSON_STYLE
 
-from .calls import call_deltas, openai_call
+from .calls import call_deltas, call_schema, openai_call
 
 __all__ = ["FORMAT", "HermesStream", "parse_hermes"]
 
@@ -152,12 +152,7 @@ class _Hermes:
         return HermesStream()
 
     def grammar(self, schemas: list[JSON], parallel: bool) -> str:
-        one = [{"type": "object", "additionalProperties": False,
-                "required": ["name", "arguments"],
-                "properties": {"name": {"const": s["name"]},
-                               "arguments": s.get("parameters") or {"type": "object"}}}
-               for s in schemas]
-        schema = one[0] if len(one) == 1 else {"anyOf": one}
+        schema = call_schema(schemas, "arguments")
         styled = json.dumps({**schema, "x-guidance": JSON_STYLE})
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return (f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'

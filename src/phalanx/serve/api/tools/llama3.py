@@ -9,7 +9,7 @@ from typing import Any
 
 from phalanx.engine.core.grammar import JSON_STYLE
 
-from .calls import BufferedStream, json_values, openai_call
+from .calls import BufferedStream, call_schema, json_values, openai_call
 
 __all__ = ["FORMAT"]
 
@@ -37,12 +37,7 @@ class _Llama3:
         return BufferedStream((TAG, "{"), True, self.parse)
 
     def grammar(self, schemas: list[JSON], parallel: bool) -> str:
-        one = [{"type": "object", "additionalProperties": False,
-                "required": ["name", "parameters"],
-                "properties": {"name": {"const": s["name"]},
-                               "parameters": s.get("parameters") or {"type": "object"}}}
-               for s in schemas]
-        schema = one[0] if len(one) == 1 else {"anyOf": one}
+        schema = call_schema(schemas, "parameters")
         styled = json.dumps({**schema, "x-guidance": JSON_STYLE})
         start = 'start: call ("; " call)*' if parallel else "start: call"
         return f"{start}\ncall: %json {styled}\n"

@@ -10,7 +10,7 @@ from typing import Any
 
 from phalanx.engine.core.grammar import JSON_STYLE
 
-from .calls import BufferedStream, json_values, openai_call
+from .calls import BufferedStream, call_schema, json_values, openai_call
 
 __all__ = ["FORMAT"]
 
@@ -48,12 +48,7 @@ class _Mistral:
         return BufferedStream((TAG,), False, self.parse)
 
     def grammar(self, schemas: list[JSON], parallel: bool) -> str:
-        one = [{"type": "object", "additionalProperties": False,
-                "required": ["name", "arguments"],
-                "properties": {"name": {"const": s["name"]},
-                               "arguments": s.get("parameters") or {"type": "object"}}}
-               for s in schemas]
-        item = one[0] if len(one) == 1 else {"anyOf": one}
+        item = call_schema(schemas, "arguments")
         schema = {"type": "array", "items": item, "minItems": 1,
                   **({} if parallel else {"maxItems": 1})}
         styled = json.dumps({**schema, "x-guidance": JSON_STYLE})
