@@ -156,14 +156,20 @@ def convert(dirs: dict[str, Path]) -> dict[str, Path]:
     """Each checkpoint's float32 GGUF by llama.cpp's converter (one subprocess for all;
     cached by input digest). Skips where the pinned source cannot be fetched."""
     from phalanx_bench import llamacpp_build
+    from phalanx_bench.cache_lock import cache_lock
 
     try:
         conv = llamacpp_build.converter_path()
     except Exception as exc:  # noqa: BLE001 - the index's errors are several types
         pytest.skip(f"llama.cpp's source cannot be fetched ({type(exc).__name__}: {exc})")
-    GGUF_CACHE.mkdir(mode=0o700, parents=True, exist_ok=True)
     out = {name: GGUF_CACHE / f"{name}-{_digest(d, llamacpp_build.VERSION)}.gguf"
            for name, d in dirs.items()}
+    with cache_lock(GGUF_CACHE):   # the other xdist worker may convert the same files
+        _convert(conv, dirs, out)
+    return out
+
+
+def _convert(conv: Path, dirs: dict[str, Path], out: dict[str, Path]) -> None:
     todo = [(str(dirs[n]), str(out[n].with_suffix(".part"))) for n in dirs
             if not out[n].exists()]
     if todo:
@@ -174,4 +180,3 @@ def convert(dirs: dict[str, Path]) -> dict[str, Path]:
         assert done.returncode == 0, done.stderr[-3000:]
         for _, part in todo:
             Path(part).replace(Path(part).with_suffix(".gguf"))
-    return out

@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 
 from phalanx.engine.model.gguf_file import KEPT_QUANTIZED, GGUFFile
 from phalanx.engine.model.quant import Int4Matmul, QuantTensor
+from phalanx_bench.cache_lock import cache_lock
 from phalanx_bench.llamacpp_build import quantize_path
 from real_model import fetch
 
@@ -49,7 +50,11 @@ def files() -> dict[str, Path]:
     """File type -> the real model quantized to it (made once into the cache)."""
     real = fetch()
     cache = real.parent / "requantized"
-    cache.mkdir(mode=0o700, exist_ok=True)
+    with cache_lock(cache):   # the other xdist worker may make the same files
+        return _requantized(real, cache)
+
+
+def _requantized(real: Path, cache: Path) -> dict[str, Path]:
     f32 = cache / "SmolLM2-135M-Instruct.F32.gguf"
     out = {"Q4_1": real}
     for ftype in FILES:

