@@ -168,13 +168,20 @@ def test_shared_prefix_is_a_memory_hit_with_ref_counts() -> None:
     assert (c.prompt_memory, c.prompt_disk, c.prompt_computed) == (8, 0, 11 + 1)
 
 
-def test_a_fully_cached_prompt_computes_only_its_last_token() -> None:
+def _seen_then_again(prompt: list[int]) -> tuple[Scheduler, FakeRanks, Seq]:
+    """A scheduler of 8 pages that ran ``prompt`` to its end, and the same prompt again
+    added (not yet scheduled)."""
     sched, ranks = make(num_pages=8)
-    prompt = list(range(8))
     sched.add(Seq(prompt, greedy(1), seq_id=1))
     drain(sched, ranks)
-    b = Seq(prompt, greedy(2), seq_id=2)
-    sched.add(b)
+    again = Seq(prompt, greedy(2), seq_id=2)
+    sched.add(again)
+    return sched, ranks, again
+
+
+def test_a_fully_cached_prompt_computes_only_its_last_token() -> None:
+    prompt = list(range(8))
+    sched, ranks, b = _seen_then_again(prompt)
     plan = step(sched, ranks)
     assert plan is not None
     ch = plan.chunks[0]
@@ -213,12 +220,8 @@ def test_a_finished_sequences_partial_tail_is_copied_then_written_apart() -> Non
 
 
 def test_an_undone_step_cuts_a_copied_page_back_and_releases_its_source() -> None:
-    sched, ranks = make(num_pages=8)
     prompt = list(range(8))
-    sched.add(Seq(prompt, greedy(1), seq_id=1))
-    drain(sched, ranks)
-    b = Seq(prompt, greedy(2), seq_id=2)
-    sched.add(b)
+    sched, ranks, b = _seen_then_again(prompt)
     plan, _ = sched.schedule()
     assert plan is not None and plan.copies
     src = plan.copies[0].src

@@ -120,15 +120,24 @@ def _messages(prompt: str) -> list[dict[str, str]]:
             {"role": "user", "content": prompt}]
 
 
-def _parse(client: Any, model: type[BaseModel], prompt: str, stream: bool) -> Any:
-    kwargs: dict[str, Any] = {"model": MODEL, "messages": _messages(prompt),
-                              "response_format": model, "temperature": 0, "max_tokens": 160}
+def _choice(client: Any, stream: bool, kwargs: dict[str, Any]) -> Any:
+    """The first choice of a chat completion, non-streamed (parsed against its
+    ``response_format``, if any) or streamed (the client's stream helper reassembles the
+    deltas)."""
     if not stream:
-        return client.chat.completions.parse(**kwargs).choices[0]
+        done = (client.chat.completions.parse if "response_format" in kwargs
+                else client.chat.completions.create)
+        return done(**kwargs).choices[0]
     with client.chat.completions.stream(**kwargs) as s:
         for _ in s:
             pass
         return s.get_final_completion().choices[0]
+
+
+def _parse(client: Any, model: type[BaseModel], prompt: str, stream: bool) -> Any:
+    return _choice(client, stream, {"model": MODEL, "messages": _messages(prompt),
+                                    "response_format": model, "temperature": 0,
+                                    "max_tokens": 160})
 
 
 def _all(calls: list[Callable[[], Any]]) -> list[Any]:
@@ -257,14 +266,8 @@ def tp1(server: Server, request: pytest.FixtureRequest) -> Server:
 
 
 def _ask(client: Any, stream: bool = False, **kwargs: Any) -> Any:
-    base = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0,
-            "max_tokens": 96, **kwargs}
-    if not stream:
-        return client.chat.completions.create(**base).choices[0]
-    with client.chat.completions.stream(**base) as s:
-        for _ in s:
-            pass
-        return s.get_final_completion().choices[0]
+    return _choice(client, stream, {"model": MODEL, "messages": ASK, "tools": TOOLS,
+                                    "temperature": 0, "max_tokens": 96, **kwargs})
 
 
 def _valid(choice: Any) -> list[tuple[str, dict[str, Any]]]:
