@@ -42,6 +42,7 @@ def _open_runner(runner_id: str, model_dir: str, comm: Any, kwargs: dict[str, An
     from .runner import open_runner
 
     runner = open_runner(runner_id, model_dir, comm, **kwargs)
+    runner.open_grammars()   # from the file's parse, before it goes
     # the weights are loaded: a GGUF file's parse (~150 MB of metadata arrays, and its
     # map) is not needed again in this rank
     forget_gguf_files()
