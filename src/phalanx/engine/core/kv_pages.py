@@ -72,7 +72,9 @@ class PagePool:
         self._cached: dict[bytes, int] = {}
         # what each page holds the KV of: (parent key, tokens), and the pages by parent
         self.held: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_pages
-        self._children: dict[bytes, set[int]] = {}
+        # by (parent, first token): a match shares at least its first token, and one
+        # parent (a long system prompt's last page) may have thousands of children
+        self._children: dict[tuple[bytes, int], set[int]] = {}
         self.counters = PrefixCounters()
 
     # -- reads ------------------------------------------------------------------------
@@ -103,7 +105,7 @@ class PagePool:
         """The page under ``parent`` whose tokens start like ``tokens`` the longest, and
         how many tokens they share: (page, n), n 0 when none does."""
         best, best_n = -1, 0
-        for p in self._children.get(parent, ()):
+        for p in self._children.get((parent, tokens[0]), ()) if tokens else ():
             held = self.held[p]
             assert held is not None
             n = 0
@@ -184,17 +186,18 @@ class PagePool:
     def _hold(self, page: int, parent: bytes, tokens: Sequence[int]) -> None:
         self._drop_held(page)
         self.held[page] = (parent, tuple(tokens))
-        self._children.setdefault(parent, set()).add(page)
+        self._children.setdefault((parent, tokens[0]), set()).add(page)
 
     def _drop_held(self, page: int) -> None:
         held = self.held[page]
         if held is None:
             return
         self.held[page] = None
-        siblings = self._children[held[0]]
+        key = (held[0], held[1][0])
+        siblings = self._children[key]
         siblings.discard(page)
         if not siblings:
-            del self._children[held[0]]
+            del self._children[key]
 
     def forget(self, page: int) -> None:
         """Drop ``page``'s key: its KV is not what the key names (a disk load that failed
