@@ -16,6 +16,7 @@ from typing import Any
 
 from phalanx.comm import view_of
 from phalanx.hosts.dist import destroy, join_group
+from phalanx.lifecycle import PhalanxError
 from phalanx.lifecycle.failpoints import Failpoint
 
 from .._errors import EngineError
@@ -42,7 +43,12 @@ def _open_runner(runner_id: str, model_dir: str, comm: Any, kwargs: dict[str, An
     from .runner import open_runner
 
     runner = open_runner(runner_id, model_dir, comm, **kwargs)
-    runner.open_grammars()   # from the file's parse, before it goes
+    try:
+        runner.open_grammars()   # from the file's parse, before it goes
+    except (PhalanxError, OSError):
+        # a model structured outputs cannot serve (no EOS ids, no tokenizer): the first
+        # request that asks for one is refused naming why, as it was built then
+        pass
     # the weights are loaded: a GGUF file's parse (~150 MB of metadata arrays, and its
     # map) is not needed again in this rank
     forget_gguf_files()
