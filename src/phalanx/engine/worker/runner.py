@@ -50,6 +50,13 @@ _REPORT_BYTES = 512
 # what the decode rows' K/V gathers kept from step to step may hold, all layers together
 # (attention.DecodeGather); a larger batch or context gathers afresh each step
 DECODE_GATHER_BYTES = 64 << 20
+# A step whose matmuls are this small (tokens x hidden x hidden / TP multiply-adds per
+# projection) runs on one intra-op thread: below it, waking and joining the other
+# threads costs more than they save. Measured on the real test model (hidden 576) on 2
+# cores at TP 1: one thread decoded 44 against 37 tok/s at batch 1, 103 against 97 at 4,
+# 125 against 129 at 8 and 136 against 164 at 16 (docs/design.md, "One thread for
+# small steps"); so up to 4 tokens of a 576-wide model, and never for a model 2x wider.
+ONE_THREAD_WORK = 4 * 576 * 576
 
 
 class Staging(Protocol):
@@ -97,6 +104,11 @@ class Runner:
         self.model, self.report = CausalLM.from_pretrained(model_dir, self.cfg, self.comm,
                                                            vocab_parallel)
         self.model.eval()
+        # the most tokens a step may have and still run on one thread (CPU only)
+        width = self.cfg.hidden_size
+        self._one_thread_tokens = (ONE_THREAD_WORK * self.comm.size // (width * width)
+                                   if self.device.type == "cpu" and self.threads > 1 else 0)
+        self._threads_now = self.threads
         if self.device.type != "cpu":
             self.model.to(self.device)
         if num_pages < 1 or page_tokens < 1:
@@ -186,6 +198,7 @@ class Runner:
         """Run ``plan``: copies, loads, forward, saves; rank 0 samples. If a load failed
         on any rank, no rank runs the forward or the saves: the result carries every
         failed rank's reason and no tokens."""
+        self._pick_threads(sum(len(c.tokens) for c in plan.chunks))
         grammars = self._grammars(plan)
         failures = self._prepare(plan)
         if failures:
@@ -207,6 +220,14 @@ class Runner:
                 logprobs = {s: lp for s, lp in zip(seqs, lps, strict=True) if lp is not None}
         self._saves(plan)
         return StepResult(step=plan.step, tokens=tokens, logprobs=logprobs)
+
+    def _pick_threads(self, tokens: int) -> None:
+        """One intra-op thread for a step too small to share (ONE_THREAD_WORK), all of
+        this rank's otherwise; torch's setting is changed only when the choice does."""
+        n = 1 if tokens <= self._one_thread_tokens else self.threads
+        if n != self._threads_now:
+            torch.set_num_threads(n)
+            self._threads_now = n
 
     def _grammars(self, plan: StepPlan) -> Matchers | None:
         """Rank 0's matchers with the plan's grammar table applied (built at the first
