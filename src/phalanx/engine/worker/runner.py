@@ -51,11 +51,12 @@ _REPORT_BYTES = 512
 # (attention.DecodeGather); a larger batch or context gathers afresh each step
 DECODE_GATHER_BYTES = 64 << 20
 # A step whose matmuls are this small (tokens x hidden x hidden / TP multiply-adds per
-# projection) runs on one intra-op thread: below it, waking and joining the other
-# threads costs more than they save. Measured on the real test model (hidden 576) on 2
-# cores at TP 1: one thread decoded 44 against 37 tok/s at batch 1, 103 against 97 at 4,
-# 125 against 129 at 8 and 136 against 164 at 16 (docs/design.md, "One thread for
-# small steps"); so up to 4 tokens of a 576-wide model, and never for a model 2x wider.
+# projection) runs on one intra-op thread: below it the second thread, spinning between
+# the step's many small parallel regions, slows the main thread more than its share of
+# the matmuls saves. Measured on the real test model (hidden 576) on 2 cores at TP 1:
+# one thread decoded 44 against 37 tok/s at batch 1, 103 against 97 at 4, 125 against
+# 129 at 8 and 136 against 164 at 16 (docs/design.md, "One thread for small steps");
+# so up to 4 tokens of a 576-wide model, and never for a model twice as wide.
 ONE_THREAD_WORK = 4 * 576 * 576
 
 
