@@ -25,6 +25,7 @@ from phalanx.engine.model.quant import Int4Matmul, QuantTensor
 from phalanx_bench.cache_lock import cache_lock
 from phalanx_bench.llamacpp_build import quantize_path
 from real_model import fetch
+from serve_util import Server
 
 # file type -> the tensor types llama-quantize writes for SmolLM2 (576-wide rows are not
 # a multiple of 256: its K-quant files fall back to Q5_0/Q5_1 there)
@@ -122,9 +123,7 @@ def test_a_q4_k_m_file_is_served_from_its_own_types(files: dict[str, Path],
     its Q6_K ones (16-weight scales: not kept) are named at start in one line, the
     weights held are bounded at what was measured (Q6_K dense and the 5-bit types in
     two 4-bit planes keep them above the file's bytes: docs/design.md, issue 44), and
-    its next-token distributions stay near the float32 dequantized model's. (Paris is
-    not asked: this file, requantized from the Q4_1 release, answers "L'Etoile" even
-    dequantized to float32.)"""
+    its next-token distributions stay near the float32 dequantized model's."""
     from phalanx.engine.llm import LLM
     from phalanx.engine.model.gguf_file import forget_gguf_files
     from phalanx.engine.model.tokenizer import Tokenizer
@@ -144,3 +143,26 @@ def test_a_q4_k_m_file_is_served_from_its_own_types(files: dict[str, Path],
     forget_gguf_files()   # the parsed file holds a descriptor while kept
     # measured over this chunk: KL 0.00071, top-1 98.0% (over the whole text: 0.00090)
     assert got.kl < 0.002 and got.top1 > 0.96, got
+
+
+# The question as the serve tests ask it. Without a system prompt this file answers
+# "L'Etoile (The City of Light) is the capital of France." even dequantized to float32
+# by transformers (it is requantized from the Q4_1 release: two roundings); with this
+# one transformers' float32 answer is "The capital of France is Paris.", and so must
+# phalanx's quantized one be.
+GEOGRAPHY_TUTOR = ("You are a concise geography tutor. Answer in one short sentence, naming "
+                   "the city first, and never add anything after the answer. ") * 3
+
+
+@pytest.mark.slow  # a TP-3 server on the real model
+def test_the_q4_k_m_file_answers_paris_over_tp3(files: dict[str, Path]) -> None:
+    path = files["Q4_K_M"]
+    s = Server(str(path), "--tp", "3", "--no-prefix-cache-disk")
+    try:
+        r = s.openai().chat.completions.create(
+            model=path.stem, temperature=0, max_tokens=24,
+            messages=[{"role": "system", "content": GEOGRAPHY_TUTOR},
+                      {"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in (r.choices[0].message.content or ""), r.choices[0].message
+    finally:
+        assert s.stop() == 0
