@@ -39,6 +39,7 @@ def test_a_missing_model_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "x.gguf" in proc.stderr and "does not exist" in proc.stderr
 
 
+@pytest.mark.slow  # a benchmark's quick run, as the other bench smoke tests
 def test_the_json_holds_both_engines_and_their_ratios() -> None:
     for tool in (quantize_path(), perplexity_path()):
         if not tool.exists():

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from phalanx_bench.soak import slope_per_1k
 
@@ -28,6 +29,7 @@ def test_slope_is_least_squares_per_1k() -> None:
     assert slope_per_1k([(1000, 10.0)]) is None
 
 
+@pytest.mark.slow  # a benchmark's quick run, as the other bench smoke tests
 def test_soak_json_shape_and_no_5xx() -> None:
     proc = subprocess.run([PHALANX, "bench", "soak", "--requests", "60", "--report-every",
                            "20", "--json"], capture_output=True, text=True, timeout=150)

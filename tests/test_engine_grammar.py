@@ -79,6 +79,7 @@ LONG = {**SCHEMA, "required": ["name", "age", "scores"], "properties": {
                                                  "maximum": 99}}}}
 
 
+@pytest.mark.slow  # the real model in a KV pool small enough to preempt (~20 s)
 def test_a_preempted_sequence_continues_its_grammar(gguf: Path, small: LLM) -> None:
     tok = Tokenizer(gguf)
     asks = ["Alice, 30", "Bob, 41", "Carol, 25"]

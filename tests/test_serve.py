@@ -339,6 +339,7 @@ def psutil_alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # a fault campaign: a rank killed, the engine healed (~18 s)
 def test_a_killed_rank_fails_in_flight_requests_then_the_server_heals(
         model_home: Path, tmp_path: Path) -> None:
     prompt = pages_prompt(300, seed=4)
