@@ -25,6 +25,13 @@ PROMPTS = [
     "Explain what a computer is in one sentence.",
 ]
 
+# The system prompt the serve tests ask the France question under. The Q4_K_M file
+# requantized from the Q4_1 release (two roundings) answers "L'Etoile (The City of
+# Light) is the capital of France." without it, even dequantized to float32 by
+# transformers; with it transformers' float32 answer is "The capital of France is Paris."
+GEOGRAPHY_TUTOR = ("You are a concise geography tutor. Answer in one short sentence, naming "
+                   "the city first, and never add anything after the answer. ") * 3
+
 
 def fetch() -> Path:
     """The GGUF file's path, fetched and extracted on first use."""

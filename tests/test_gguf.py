@@ -20,7 +20,7 @@ import torch
 
 from engine_oracle import greedy
 from phalanx.engine.llm import LLM
-from real_model import PROMPTS, fetch
+from real_model import GEOGRAPHY_TUTOR, PROMPTS, fetch
 from serve_util import Server
 
 NEW = 32
@@ -202,14 +202,11 @@ def server(gguf_path: Path, disk_dir: Path) -> Iterator[Server]:
     s.stop()
 
 
-SYSTEM = ("You are a concise geography tutor. Answer in one short sentence, naming the "
-          "city first, and never add anything after the answer. ") * 3
-
-
 def _ask(s: Server, question: str) -> tuple[str, int]:
     r = s.openai().chat.completions.create(
         model="SmolLM2-135M-Instruct.Q4_1", temperature=0, max_tokens=24,
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+        messages=[{"role": "system", "content": GEOGRAPHY_TUTOR},
+                  {"role": "user", "content": question}])
     details = r.usage.prompt_tokens_details
     return r.choices[0].message.content or "", int(details.cached_tokens if details else 0)
 

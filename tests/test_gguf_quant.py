@@ -24,7 +24,7 @@ from phalanx.engine.model.gguf_file import KEPT_QUANTIZED, GGUFFile
 from phalanx.engine.model.quant import Int4Matmul, QuantTensor
 from phalanx_bench.cache_lock import cache_lock
 from phalanx_bench.llamacpp_build import quantize_path
-from real_model import fetch
+from real_model import GEOGRAPHY_TUTOR, fetch
 from serve_util import Server
 
 # file type -> the tensor types llama-quantize writes for SmolLM2 (576-wide rows are not
@@ -145,15 +145,6 @@ def test_a_q4_k_m_file_is_served_from_its_own_types(files: dict[str, Path],
     assert got.kl < 0.002 and got.top1 > 0.96, got
 
 
-# The question as the serve tests ask it. Without a system prompt this file answers
-# "L'Etoile (The City of Light) is the capital of France." even dequantized to float32
-# by transformers (it is requantized from the Q4_1 release: two roundings); with this
-# one transformers' float32 answer is "The capital of France is Paris.", and so must
-# phalanx's quantized one be.
-GEOGRAPHY_TUTOR = ("You are a concise geography tutor. Answer in one short sentence, naming "
-                   "the city first, and never add anything after the answer. ") * 3
-
-
 @pytest.mark.slow  # a TP-3 server on the real model
 def test_the_q4_k_m_file_answers_paris_over_tp3(files: dict[str, Path]) -> None:
     path = files["Q4_K_M"]
@@ -163,6 +154,7 @@ def test_the_q4_k_m_file_answers_paris_over_tp3(files: dict[str, Path]) -> None:
             model=path.stem, temperature=0, max_tokens=24,
             messages=[{"role": "system", "content": GEOGRAPHY_TUTOR},
                       {"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in (r.choices[0].message.content or ""), r.choices[0].message
     finally:
-        assert s.stop() == 0
+        stopped = s.stop()   # asserted after the answer: a failed ask is the error shown
+    assert "Paris" in (r.choices[0].message.content or ""), r.choices[0].message
+    assert stopped == 0

@@ -199,7 +199,6 @@ class Runner:
         """Run ``plan``: copies, loads, forward, saves; rank 0 samples. If a load failed
         on any rank, no rank runs the forward or the saves: the result carries every
         failed rank's reason and no tokens."""
-        self._pick_threads(sum(len(c.tokens) for c in plan.chunks))
         grammars = self._grammars(plan)
         failures = self._prepare(plan)
         if failures:
@@ -360,6 +359,7 @@ class Runner:
         if max(pos) >= self.cfg.max_model_len:
             raise EngineError(f"step {plan.step}: position {max(pos)} is beyond max_model_len "
                               f"{self.cfg.max_model_len}")
+        self._pick_threads(len(ids))   # for the forward and, after it, the sampling
         meta = build_meta(spans, self.page_tokens, self.device, self.kv[0].dtype)
         self.decode_gather.begin(meta, len(self.kv))
         dev = self.device
