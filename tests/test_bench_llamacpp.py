@@ -54,6 +54,7 @@ def test_both_servers_measured_on_the_same_file() -> None:
         assert set(side["decode_tps"]) == {"b1", "b16"}
         assert all(_number(v) for v in side["decode_tps"].values())
         assert _number(side["throughput_tps_16_clients"]) and _number(side["rss_mb"])
+        assert _number(side["memory_mb_at_rest"]["pss"])
         # both tokenized the same text alike: the same file's vocabulary
         assert side["tokens"]["miss"]["prompt_tokens"] == 256
     # the hits were hits: phalanx's whole pages from memory and, after its restart, from

@@ -7,6 +7,7 @@ One server: the real test model (tests/real_model.py) at TP 1, memory tier only.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import openai
@@ -98,3 +99,30 @@ def test_a_function_tool_is_called_and_its_output_answered(server: Server) -> No
                {"type": "function_call_output", "call_id": call.call_id,
                 "output": "sunny, 24 degrees Celsius"}])
     assert answer.status == "completed" and answer.output_text
+
+
+def _vm(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (the resident set's peak) of ``pid``, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
+                if k in ("VmRSS", "VmHWM")}
+
+
+def test_an_idle_rank_gives_back_what_a_long_prompt_freed(server: Server) -> None:
+    """A rank keeps one malloc arena warm for its steps, so a 1,500-token prefill's
+    freed activations stayed resident for the rank's life (~50-130 MB of the real
+    model); once no step comes for a wait slice, the rank gives its free heap pages
+    back (engine/worker/heap.py) and says so on /metrics."""
+    released = "phalanx:rank_heap_released_bytes"
+    before = server.metric(released)   # the trim after loading counts already
+    prompt = " ".join(f"word{i}" for i in range(900))
+    r = server.client.post("/v1/completions", json={
+        "model": _model(server), "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 1500
+    deadline = time.monotonic() + 60
+    while server.metric(released) <= before:   # gauges are asked of the ranks at most
+        assert time.monotonic() < deadline, "the idle rank gave nothing back"   # each 1 s
+        time.sleep(0.2)
+    vm = _vm(server.rank_pids()[0])
+    assert vm["VmRSS"] < vm["VmHWM"] - 20 * 1024, vm

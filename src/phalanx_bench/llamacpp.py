@@ -27,7 +27,9 @@ Cases, each over ``--reps`` prompts of their own (medians), greedy with EOS igno
   ``--max-tokens`` each: output tokens over the burst's wall time;
 - ``rss_mb``: the server's resident memory after the runs, summed over its process
   group as PSS (phalanx's rank processes share memory with the server; RSS would
-  count it once per process), and its plain RSS sum beside it.
+  count it once per process), and its plain RSS sum beside it; ``memory_mb_at_rest``
+  the same once the server has idled ``REST_S`` (phalanx's ranks give back their free
+  heap and stored disk-tier pages when idle; llama.cpp's memory is allocated once).
 
 Prompts are text (seeded token ids of the file's own tokenizer, decoded), so each
 server tokenizes them itself; ``prompt_tokens`` reports what each counted.
@@ -104,6 +106,17 @@ def _group_memory_mb(pgid: int) -> dict[str, float]:
         except (OSError, IndexError, ValueError):
             continue   # gone meanwhile, or a kernel thread
     return {"pss": round(pss / 1024, 1), "rss": round(rss / 1024, 1)}
+
+
+# Memory is read twice: right after the work (what a busy server holds) and once the
+# server has idled this long (phalanx's ranks give back their free heap and the disk
+# tier's stored pages after 0.1 s without a step: engine/worker/heap.py)
+REST_S = 1.0
+
+
+def _memory_at_rest(pgid: int) -> dict[str, float]:
+    time.sleep(REST_S)
+    return _group_memory_mb(pgid)
 
 
 class AnchorBroken(BenchError):
@@ -253,6 +266,7 @@ def run(gguf: Path, binary: Path, tp: int, prompt_tokens: int, reps: int,
                    chats, max_tokens)
         ph["memory_mb"] = _group_memory_mb(s.proc.pid)
         disk_writes_done(s.url)
+        ph["memory_mb_rest"] = _memory_at_rest(s.proc.pid)
         stop(started, s)
         s = start_phalanx(started, gguf, tp, disk, logs / "phalanx-restart.log", extra)
         one_prompt(s.url, name, warm + " restart", 4, PHALANX_EXTRA)
@@ -270,6 +284,7 @@ def run(gguf: Path, binary: Path, tp: int, prompt_tokens: int, reps: int,
         lc = _side(ll.url, lname, LLAMA_EXTRA, (), llama_misses, shorts, decode_tokens,
                    chats_l, max_tokens)
         lc["memory_mb"] = _group_memory_mb(ll.proc.pid)
+        lc["memory_mb_rest"] = _memory_at_rest(ll.proc.pid)
         stop(started, ll)
         ll = start_llamacpp(started, binary, gguf, threads, ctx, slots,
                             logs / "llama-restart.log")
@@ -307,6 +322,7 @@ def shape(raw: dict[str, Any], gguf: Path) -> dict[str, Any]:
         "tokens": {"miss": _tokens(ph["miss"]), "memory_hit": _tokens(ph["hit"]),
                    "disk_hit_after_restart": _tokens(ph["restart"])},
         "clients": ph["clients"], "memory_mb": ph["memory_mb"],
+        "memory_mb_at_rest": ph["memory_mb_rest"],
         "llamacpp": {
             "ttft_ms": {"miss": _ttft(lc["miss"]), "cache_hit": _ttft(lc["hit"]),
                         "after_restart": _ttft(lc["restart"])},
@@ -314,7 +330,8 @@ def shape(raw: dict[str, Any], gguf: Path) -> dict[str, Any]:
             "throughput_tps_16_clients": lc["throughput_tps_16_clients"],
             "rss_mb": lc["memory_mb"]["pss"],
             "tokens": {"miss": _tokens(lc["miss"]), "cache_hit": _tokens(lc["hit"])},
-            "clients": lc["clients"], "memory_mb": lc["memory_mb"]},
+            "clients": lc["clients"], "memory_mb": lc["memory_mb"],
+            "memory_mb_at_rest": lc["memory_mb_rest"]},
     }
     l_ = result["llamacpp"]
     ratios = {
@@ -330,6 +347,8 @@ def shape(raw: dict[str, Any], gguf: Path) -> dict[str, Any]:
         "memory_hit_vs_llamacpp_cache_hit": round(l_["ttft_ms"]["cache_hit"]
                                                   / result["ttft_ms"]["memory_hit"], 2),
         "rss_vs_llamacpp": round(result["rss_mb"] / max(1e-9, l_["rss_mb"]), 2),
+        "pss_at_rest_vs_llamacpp": round(result["memory_mb_at_rest"]["pss"]
+                                         / max(1e-9, l_["memory_mb_at_rest"]["pss"]), 2),
     }
     result["ratios"] = ratios
     result["goals"] = {

@@ -16,7 +16,12 @@ dropped first and counted), so a store that never comes cannot grow a rank's mem
 
 Saved pages live in one slab of ``capacity`` page slots, allocated once. A slot whose
 page a store has read is the first to be reused, so the slab's touched (resident) part
-is about the pages in flight. Why not a ``bytes`` per page, as before: those long-lived
+is about the pages in flight. When the rank idles, :meth:`PageStaging.release_stored`
+frees the slots of pages already stored and gives their memory back (the slab is an
+anonymous map: ``madvise(MADV_DONTNEED)``): after a burst of prefills the slab held its
+high-water mark, 16 pages or 46 MB of the real model, for the rank's life.
+
+Why not a ``bytes`` per page, as before: those long-lived
 128 KiB blocks, allocated after every forward, took the heap holes the forward's
 temporaries had just freed, so the next forward grew the heap and faulted its memory in
 afresh (a median 500-600 faults per 512-token chunk on each rank against 0-3 now and
@@ -31,6 +36,7 @@ it), the replicated cache from :func:`staging_source`, its ``kv_source_factory``
 from __future__ import annotations
 
 import errno
+import mmap
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
@@ -72,14 +78,17 @@ class PageStaging:
         # Saved pages: key -> slot of the slab, in reuse order (first reused first; a
         # page a store read moves to the front). Invariant: the slots of _staged and
         # _free are disjoint and together every slot; _read is a subset of _staged.
-        # Virtual until touched: slots are handed out lowest first (_free is a stack).
-        # page-aligned, as the store's buffers are (kvstore.aligned_empty says why)
-        self._slab = aligned_empty(capacity * self.page_bytes).reshape(capacity,
-                                                                        self.page_bytes)
+        # Virtual until touched: slots are handed out lowest first (_free is a stack,
+        # kept in descending order). An anonymous map: page-aligned, as the store's
+        # buffers are (kvstore.aligned_empty says why), and its pages can be given back.
+        self._map = mmap.mmap(-1, capacity * self.page_bytes)
+        self._slab = np.frombuffer(self._map, dtype=np.uint8).reshape(capacity,
+                                                                      self.page_bytes)
         self._staged: OrderedDict[bytes, int] = OrderedDict()
         self._free = list(range(capacity - 1, -1, -1))
         self._read: set[bytes] = set()
-        self._touched = 0       # slots below this were handed out at least once
+        self._touched = 0       # slots below this may be resident (handed out)
+        self._written: set[int] = set()  # slots handed out since last given back
         # Invariant: every value is exactly page_bytes long; len(_loaded) <= capacity.
         self._loaded: OrderedDict[bytes, bytes] = OrderedDict()
         self.dropped = 0        # pages pushed out unread (a store or load that never came)
@@ -130,6 +139,7 @@ class PageStaging:
                 self.dropped += 1
         self._read.discard(key)
         self._staged[key] = slot
+        self._written.add(slot)
         return slot
 
     def expect(self, disk: DiskLoads) -> None:
@@ -220,6 +230,31 @@ class PageStaging:
                 self._put(self._loaded, key,
                           bytes(flat[i * self.page_bytes:(i + 1) * self.page_bytes]))
             self.delivered += len(keys)
+
+    def release_stored(self) -> int:
+        """Free the slots of pages a store has read (kept until now only for a retry,
+        which after this finds them gone and fails, naming them) and give back the
+        memory of every free slot written since it was last given back; the slots given
+        back. For an idle rank (``worker/rank.py``'s step loop)."""
+        with self._lock:
+            for k in [k for k in self._staged if k in self._read]:
+                self._free.append(self._staged.pop(k))
+            self._read.clear()
+            idle = self._written - set(self._staged.values())
+            for slot in idle:
+                self._give_back(slot)
+            self._written -= idle
+            self._free.sort(reverse=True)
+            self._touched = max(self._written, default=-1) + 1
+            return len(idle)
+
+    def _give_back(self, slot: int) -> None:
+        """The whole pages inside ``slot`` back to the system (read as zeros after)."""
+        page = mmap.PAGESIZE
+        start = -(-slot * self.page_bytes // page) * page
+        end = (slot + 1) * self.page_bytes // page * page
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -214,23 +214,34 @@ def compatible(parts: list[QuantTensor]) -> bool:
 
 
 class QuantRows(torch.nn.Module):
-    """An embedding table kept in its GGUF blocks (q as int8, a scale and zero per 32):
-    a lookup decodes only the rows it gathers."""
+    """An embedding table kept in its GGUF blocks (q as int8 or uint8, a scale and zero
+    per 32): a lookup decodes only the rows it gathers. The scales and zeros are kept
+    in float16 where that is exact (the file's own fields: every type but the K-quants,
+    whose ``d * sc`` products are float32), and a zero that is 0 throughout (Q8_0) is
+    not kept: the real model's Q8_0 table is 28 MB of q and 1.8 MB of scales, not 7."""
 
     q: torch.Tensor
     scale: torch.Tensor
-    zero: torch.Tensor
+    zero: torch.Tensor | None
 
     def __init__(self, t: QuantTensor, dtype: torch.dtype) -> None:
         super().__init__()
         q, scale, zero = t.decode()       # w = q * scale + zero
         self.dtype = dtype
         self.register_buffer("q", q.to(torch.int8) if t.qtype == "Q8_0" else q)
-        self.register_buffer("scale", scale)
-        self.register_buffer("zero", zero)
+        self.register_buffer("scale", _narrowest(scale))
+        self.register_buffer("zero", _narrowest(zero) if bool(zero.any()) else None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.q[ids].float()
         n, cols = q.shape
-        w = q.view(n, -1, _GROUP) * self.scale[ids].unsqueeze(-1) + self.zero[ids].unsqueeze(-1)
+        w = q.view(n, -1, _GROUP) * self.scale[ids].float().unsqueeze(-1)
+        if self.zero is not None:
+            w += self.zero[ids].float().unsqueeze(-1)
         return w.view(n, cols).to(self.dtype)
+
+
+def _narrowest(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) in float16 where every value survives the round trip."""
+    half = x.half()
+    return half if torch.equal(half.float(), x) else x

@@ -16,13 +16,17 @@ from typing import Any
 from phalanx.comm.rank_state import rank_comm
 from phalanx.replication import rank_cache
 
+from .heap import TRIMMER
+
 __all__ = ["EngineGauges", "gather_gauges", "rank_gauges"]
 
 
 def rank_gauges(cache_id: str | None) -> dict[str, Any]:
-    """On a rank: its uncertain resources and, with a disk tier, its store's counters;
-    on rank 0 also each peer link's window (credits in flight, ops waiting)."""
-    out: dict[str, Any] = {"uncertain": len(rank_comm().ledger.stats()["uncertain"])}
+    """On a rank: its uncertain resources, the heap it gave back (``worker/heap.py``)
+    and, with a disk tier, its store's counters; on rank 0 also each peer link's window
+    (credits in flight, ops waiting)."""
+    out: dict[str, Any] = {"uncertain": len(rank_comm().ledger.stats()["uncertain"]),
+                           "heap_released": TRIMMER.released}
     if cache_id is None:
         return out
     rc = rank_cache(cache_id)
@@ -47,6 +51,7 @@ class EngineGauges:
     per-rank figures, and its resources from the count)."""
 
     uncertain_resources: int
+    rank_heap_released_bytes: dict[int, int] = field(default_factory=dict)
     disk: bool = False  # the figures below exist only with a disk tier
     cache_disk_records: dict[int, int] = field(default_factory=dict)
     cache_disk_bytes: dict[int, int] = field(default_factory=dict)
@@ -61,7 +66,8 @@ class EngineGauges:
     def as_metrics(self) -> dict[str, Any]:
         """The figures under the names ``phalanx.serve.api.metrics`` exports."""
         if not self.disk:
-            return {"uncertain_resources": self.uncertain_resources}
+            return {"uncertain_resources": self.uncertain_resources,
+                    "rank_heap_released_bytes": self.rank_heap_released_bytes}
         return {k: v for k, v in asdict(self).items() if k != "disk"}
 
 
@@ -71,11 +77,12 @@ def gather_gauges(per_rank: dict[int, Any], parent_uncertain: int, disk: bool
     :func:`rank_gauges`, or its error) and the parent's uncertain resources."""
     answered = {r: g for r, g in per_rank.items() if isinstance(g, dict)}
     uncertain = parent_uncertain + sum(int(g["uncertain"]) for g in answered.values())
+    heap = {r: int(g["heap_released"]) for r, g in answered.items()}
     if not disk:
-        return EngineGauges(uncertain)
+        return EngineGauges(uncertain, heap)
     links = answered.get(0, {}).get("links", {})
     return EngineGauges(
-        uncertain, disk=True,
+        uncertain, heap, disk=True,
         cache_disk_records={r: g["records"] for r, g in answered.items()},
         cache_disk_bytes={r: g["bytes"] for r, g in answered.items()},
         cache_maintenance_queue=answered.get(0, {}).get("maintenance", 0),

@@ -23,9 +23,10 @@ from .._errors import EngineError
 from ..core.executor import RankMemory
 from ..core.plan import decode_plan, encode_result
 from ..disk.rank0 import DiskLoads, release_leases
-from ..disk.staging import attach_staging, expect_loads
+from ..disk.staging import PageStaging, attach_staging, expect_loads
 from ..model.gguf_file import forget_gguf_files
 from ..model.parallel import SoloComm, TPComm
+from .heap import TRIMMER
 from .step_channel import Kind, RankEnd
 
 __all__ = ["CLOSE_WAIT_S", "DistArgs", "close_rank", "execute_rank", "open_host_rank",
@@ -52,6 +53,8 @@ def _open_runner(runner_id: str, model_dir: str, comm: Any, kwargs: dict[str, An
     # the weights are loaded: a GGUF file's parse (~150 MB of metadata arrays, and its
     # map) is not needed again in this rank
     forget_gguf_files()
+    gc.collect()
+    TRIMMER.trim()  # what the load freed (the parse, its staging): ~30 MB here
     if disk_staging:
         attach_staging(runner)
     return runner.memory()
@@ -184,18 +187,28 @@ def serve_steps(runner_id: str, channel: str, tp: int) -> int:
     Ends at STOP, or when the parent is gone; returns the steps it served."""
     from .runner import get_runner
 
-    rank = get_runner(runner_id).comm.rank
+    runner = get_runner(runner_id)
+    rank = runner.comm.rank
     end = RankEnd(channel, rank, tp)
     parent = os.getppid()
     served = 0
+
+    def rest() -> None:
+        """A wait slice passed with no step: memory no step needs goes back (the disk
+        tier's stored pages, then the heap's free pages: ``worker/heap.py``)."""
+        if isinstance(runner.staging, PageStaging) and runner.staging.release_stored():
+            TRIMMER.worked()  # the stores' copies were freed into the heap too
+        TRIMMER.idle()
+
     try:
         while True:
-            kind, seq, message = end.next(lambda: os.getppid() == parent)
+            kind, seq, message = end.next(lambda: os.getppid() == parent, rest)
             if kind is Kind.STOP:
                 return served
             if message is None:  # HELLO: mapped
                 end.answer(seq)
                 continue
+            TRIMMER.worked()
             try:
                 _STEP.hit()
                 result = execute_rank(runner_id, message.plan, message.disk)

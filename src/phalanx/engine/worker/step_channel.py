@@ -220,14 +220,18 @@ class RankEnd:
         self.rank = rank
         self._seen = 0  # a new segment's; the parent's first message (HELLO) is 1
 
-    def next(self, alive: Callable[[], bool]) -> tuple[Kind, int, StepMessage | None]:
+    def next(self, alive: Callable[[], bool], idle: Callable[[], None] | None = None
+             ) -> tuple[Kind, int, StepMessage | None]:
         """The next message: (kind, its number, the step message for STEP). Waits while
-        ``alive()`` holds; past it, a STOP."""
+        ``alive()`` holds; past it, a STOP. ``idle()`` runs after each wait slice that
+        passed with no message."""
         s = self._seg
         while (v := s.plan_seq.value) == self._seen:
             if not alive():
                 return Kind.STOP, v, None
             futex.wait(s.plan_seq, v, _SLICE_S)
+            if idle is not None and s.plan_seq.value == v:
+                idle()
         self._seen = v
         kind = Kind(s.plan_kind.value)
         if kind is not Kind.STEP:

@@ -65,6 +65,8 @@ _PER_RANK_GAUGES = {
     "rank_weight_bytes": "Bytes of model weights each rank holds (quantized ones as held).",
     "rank_kv_cache_bytes": "Bytes of each rank's KV pool (the memory tier).",
     "rank_resident_bytes": "Each rank process's resident set when its model was loaded.",
+    "rank_heap_released_bytes": "Resident bytes each rank gave back from its free heap "
+                                "(once loaded, and whenever it idles after steps).",
     "cache_disk_records": "Records in each rank's disk tier.",
     "cache_disk_bytes": "Bytes in each rank's disk tier.",
     "cache_maintenance_queued": "Maintenance jobs each rank's disk tier knows of (rank 0 "
