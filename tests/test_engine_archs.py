@@ -269,8 +269,8 @@ def test_quantized_experts_stay_quantized(ggufs: dict[str, Path], tmp_path: Path
     runner = Runner(q8, num_pages=PAGES, page_tokens=PAGE_TOKENS, threads=1)
     try:
         experts = [e for layer in runner.model.layers for e in layer.mlp.experts]
-        assert experts and all(e.gate_up_proj.qmm is not None and
-                               e.down_proj.qmm is not None for e in experts)
+        assert experts and all(e.gate_up_proj.qmms is not None and
+                               e.down_proj.qmms is not None for e in experts)
         assert runner.memory().weight_bytes < dense.memory().weight_bytes / 2
         first = [t[0] for t in engine_generate_batch(runner, BATCH, new_tokens=1)]
         assert first == [t[0] for t in engine_generate_batch(dense, BATCH, new_tokens=1)]

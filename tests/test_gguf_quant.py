@@ -31,8 +31,9 @@ from serve_util import Server
 # a multiple of 256: its K-quant files fall back to Q5_0/Q5_1 there)
 FILES = {"Q4_1": ("Q4_1", "Q8_0"), "Q4_0": ("Q4_0",),
          "Q4_K_M": ("Q4_K", "Q5_0", "Q6_K", "Q8_0"), "Q5_K_M": ("Q5_K", "Q5_1")}
-# weights held at TP 1 over the Q4_K_M file's bytes: measured 218 MiB over 101 (2.17x)
-HELD_OVER_FILE = 2.3
+# weights held at TP 1 over the Q4_K_M file's bytes: measured 181 MiB over 101 (1.80x;
+# 218 MiB, 2.17x, while its Q6_K tensors were held dense)
+HELD_OVER_FILE = 1.9
 
 
 def _quantize(src: Path, dst: Path, ftype: str) -> None:
@@ -102,12 +103,15 @@ def test_each_kept_type_is_gguf_dequantization_exactly(samples: dict[str, list[S
     for name, qt, dense in samples[qtype]:
         want = torch.from_numpy(dense.astype(np.float64))
         q, scale, zero = qt.decode()
-        w = (q.double().view(qt.rows, -1, 32) * scale.double().unsqueeze(-1)
+        w = (q.double().view(qt.rows, -1, qt.group) * scale.double().unsqueeze(-1)
              + zero.double().unsqueeze(-1)).view(qt.rows, -1)
         assert torch.allclose(w, want, rtol=1e-6, atol=1e-7), name
         planes = sum((p.double() - 8).view(qt.rows, -1, 32) * s.double().unsqueeze(-1)
                      + z.double().unsqueeze(-1) for p, s, z in qt.kernel_planes())
-        assert torch.allclose(planes.view(qt.rows, -1), want, rtol=1e-6, atol=1e-7), name
+        if qt.spread == 2:   # Q6_K: each kernel group is 16 weights' low parts, then high
+            halves = planes.view(qt.rows, -1, 2, 16)
+            planes = halves[:, :, 0] + 16 * halves[:, :, 1]
+        assert torch.allclose(planes.reshape(qt.rows, -1), want, rtol=1e-6, atol=1e-7), name
         x = torch.randn(4, qt.cols, generator=torch.Generator().manual_seed(0))
         ref = x.double() @ want.T
         got = Int4Matmul([qt])(x).double()
@@ -119,11 +123,11 @@ def test_each_kept_type_is_gguf_dequantization_exactly(samples: dict[str, list[S
 @pytest.mark.slow  # an engine start and two models over a 512-token chunk: ~50 s
 def test_a_q4_k_m_file_is_served_from_its_own_types(files: dict[str, Path],
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    """The type users hold most: its Q4_K, Q5_0 and Q8_0 tensors stay in their blocks,
-    its Q6_K ones (16-weight scales: not kept) are named at start in one line, the
-    weights held are bounded at what was measured (Q6_K dense and the 5-bit types in
-    two 4-bit planes keep them above the file's bytes: docs/design.md, issue 44), and
-    its next-token distributions stay near the float32 dequantized model's."""
+    """The type users hold most: its Q4_K, Q5_0, Q6_K and Q8_0 tensors all stay in
+    their blocks (no line names a type as dequantized), the weights held are bounded at
+    what was measured (the 5-bit types in two 4-bit planes and the tied embedding held
+    for both lookups and head keep them above the file's bytes: docs/design.md, issue
+    44), and its next-token distributions stay near the float32 dequantized model's."""
     from phalanx.engine.llm import LLM
     from phalanx.engine.model.gguf_file import forget_gguf_files
     from phalanx.engine.model.tokenizer import Tokenizer
@@ -134,7 +138,7 @@ def test_a_q4_k_m_file_is_served_from_its_own_types(files: dict[str, Path],
             LLM(model=str(path), tensor_parallel_size=1, dtype=None) as llm:
         held = llm.engine.stats().rank_weight_bytes[0]
     named = [r.getMessage() for r in caplog.records if "not kept quantized" in r.getMessage()]
-    assert len(named) == 1 and "14 Q6_K" in named[0] and "float32" in named[0], named
+    assert named == []
     assert held < HELD_OVER_FILE * path.stat().st_size, held
 
     ids = Tokenizer(path).encode(fidelity_score.text())[:512]
@@ -158,3 +162,47 @@ def test_the_q4_k_m_file_answers_paris_over_tp3(files: dict[str, Path]) -> None:
         stopped = s.stop()   # asserted after the answer: a failed ask is the error shown
     assert "Paris" in (r.choices[0].message.content or ""), r.choices[0].message
     assert stopped == 0
+
+
+@pytest.mark.slow  # a checkpoint written, converted and quantized, two runners
+def test_a_fused_layer_of_mixed_types_keeps_each_in_its_blocks(
+        tmp_path: Path, files: dict[str, Path]) -> None:
+    """A 256-wide model in Q4_K_M (llama-quantize's default mix: Q4_K q and k beside a
+    Q6_K v, a Q6_K down in some layers): the fused q/k/v layer runs one matmul per run
+    of a kind rather than going dense, every projection keeps its blocks and gives the
+    float32 dequantized model's output to bfloat16 rounding, and the model's first
+    greedy tokens are the float32 model's (a seeded model's margins are thin: one of
+    four may flip on that rounding, measured; wrong planes or order flip them all)."""
+    from arch_models import SP_VOCAB, convert, family_checkpoint
+    from engine_oracle import engine_generate_batch, prompts
+    from phalanx.engine.model.gguf_file import forget_gguf_files
+    from phalanx.engine.worker.runner import Runner
+
+    d = family_checkpoint(tmp_path / "wide", "qwen3", "sp", seed=7, hidden_size=256,
+                          intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=64)
+    f32 = convert({"wide": d})["wide"]
+    path = tmp_path / "wide.Q4_K_M.gguf"
+    _quantize(f32, path, "Q4_K_M")
+    kinds = {t.qtype for t in GGUFFile(path).tensors.values() if t.quantized}
+    assert {"Q4_K", "Q6_K"} <= kinds, kinds
+    batch = prompts(n=4, vocab=SP_VOCAB - 40)
+    runner = Runner(path, num_pages=32, page_tokens=16, threads=1)
+    dense = Runner(path, num_pages=32, page_tokens=16, threads=1, dtype="float32")
+    try:
+        plain = dict(dense.model.named_modules())
+        linears = [(n, m) for n, m in runner.model.named_modules() if hasattr(m, "qmms")]
+        assert linears and all(m.qmms is not None for _, m in linears)
+        assert any(len(m.qmms) > 1 for _, m in linears)   # a mixed fused layer, split
+        x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+        for name, m in linears:
+            cols = m.qmms[0].cols
+            got_y, want_y = m(x[:, :cols]), plain[name](x[:, :cols])
+            assert float((got_y - want_y).norm() / want_y.norm()) < 0.01, name
+        got = engine_generate_batch(runner, batch, new_tokens=1)
+        want = engine_generate_batch(dense, batch, new_tokens=1)
+        assert sum(g == w for g, w in zip(got, want, strict=True)) >= 3, (got, want)
+    finally:
+        runner.close()
+        dense.close()
+        forget_gguf_files()

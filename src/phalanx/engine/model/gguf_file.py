@@ -31,10 +31,10 @@ __all__ = ["DEQUANTIZED", "KEPT_QUANTIZED", "GGUFFile", "GGUFTensor", "forget_gg
 _MAGIC = b"GGUF"
 # Types held as int4 planes in memory on the quantized path (engine/model/quant.py);
 # every other readable type is dequantized at load (named at start: gguf_model).
-KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
+KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # Types the gguf package's numpy dequantizer reads exactly; anything else is refused at
 # open, naming the tensor and its type.
-DEQUANTIZED = ("F32", "F16", "BF16", "Q2_K", "Q3_K", "Q6_K", "Q8_K")
+DEQUANTIZED = ("F32", "F16", "BF16", "Q2_K", "Q3_K", "Q8_K")
 READABLE = KEPT_QUANTIZED + DEQUANTIZED
 
 

@@ -225,9 +225,9 @@ _NAMED: set[Path] = set()
 
 
 def _name_dequantized(f: GGUFFile, dtype: str) -> None:
-    """One line at start naming the quantized types this engine does not keep (Q6_K's
-    16-weight scales, Q2_K, Q3_K: engine/model/quant.py) and what they become; once per
-    process and file (a start reads the config several times)."""
+    """One line at start naming the quantized types this engine does not keep (Q2_K,
+    Q3_K: engine/model/quant.py) and what they become; once per process and file (a
+    start reads the config several times)."""
     if f.path in _NAMED:
         return
     _NAMED.add(f.path)

@@ -55,10 +55,10 @@ class ParallelLinear(torch.nn.Module):
                  quantized: bool = False) -> None:
         super().__init__()
         self.parts = parts
-        # quantized: the checkpoint's Q4_0/Q4_1/Q8_0 blocks are kept (engine/model/quant.py)
-        # where every part has them; else the weight is read dense
+        # quantized: the checkpoint's blocks are kept (engine/model/quant.py) where every
+        # part has a kept type; else the weight is read dense
         self.quantized = quantized
-        self.qmm: Int4Matmul | None = None
+        self.qmms: torch.nn.ModuleList | None = None
         self.shard_dim = shard_dim
         self.comm = comm
         local = sum(p.size for p in parts)
@@ -95,27 +95,34 @@ class ParallelLinear(torch.nn.Module):
             offset += part.size
 
     def _load_quantized(self, ckpt: Checkpoint) -> bool:
-        """Keep this rank's slices in their blocks when all parts have kept types of one
-        kind (Q4_0/Q4_1, or Q8_0); False leaves the weight to be read dense."""
-        blocks: list[QuantTensor] = []
+        """Keep this rank's slices in their blocks when every part has a kept type;
+        False leaves the weight to be read dense. Parts of one kind (planes and input
+        spread) in a row share one matmul; a fused layer whose parts differ (Q4_K_M's
+        Q4_K q and k beside a Q6_K v) runs one matmul per run of a kind, outputs
+        concatenated, rather than going dense."""
+        runs: list[list[QuantTensor]] = []
         for part in self.parts:
             qt = ckpt.read_quantized(f"{part.name}.weight", self.shard_dim, part.start,
                                      part.stop)
             if qt is None:
                 return False
-            blocks.append(qt)
-        if not compatible(blocks):
+            if runs and compatible([*runs[-1], qt]):
+                runs[-1].append(qt)
+            else:
+                runs.append([qt])
+        if not all(compatible(run) for run in runs):
             return False
-        self.qmm = Int4Matmul(blocks)
+        self.qmms = torch.nn.ModuleList(Int4Matmul(run) for run in runs)
         self.weight = torch.nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qmm is not None:
-            y = self.qmm(x)
+        if self.qmms is not None:
+            y = (self.qmms[0](x) if len(self.qmms) == 1
+                 else torch.cat([m(x) for m in self.qmms], dim=-1))
             if self.shard_dim == 1 and self.comm is not None and self.comm.size > 1:
                 y = self.comm.all_reduce(y)
-            return y if self.bias is None else y + self.bias  # type: ignore[no-any-return]
+            return y if self.bias is None else y + self.bias
         if self.shard_dim == 0:
             return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight)

@@ -13,9 +13,17 @@ s + z`` per 32 weights (:meth:`QuantTensor.decode`) and then as kernel planes:
   hi (stored ``hi + 8``, scale ``16 s``, zero 0) plus plane lo (scale ``s``, zero
   ``z + 8 s``), run as one matmul with twice the output rows, summed: Q8_0
   (``s = d``, ``z = 0``), Q5_0 (``z = -16 d``), Q5_1 (``z = m``), Q5_K (as Q4_K).
-- Q6_K is not kept: its scales are per 16 weights and the kernel's smallest group is 32
-  (exact planes would take 16 bits a weight, a dense bfloat16 weight's size); Q2_K and
-  Q3_K neither (16-weight groups too). They are dequantized at load, named at start.
+- Q6_K (``w = s (q - 32)``, q 0..63, ``s = d * sc`` per 16 weights): its scales are
+  per 16 weights and the kernel's smallest group is 32, so the kernel runs over twice
+  the input columns (``spread`` 2): each 16-weight sub-block becomes one kernel group of
+  its 16 low nibbles (``lo``) then its 16 high parts (``hi + 6``, hi 0..3), and the
+  input each 16 columns followed by the same 16 times 16 (exact in bfloat16). The group
+  then sums ``S sum (16 hi + lo) x - 40 S sum x + 17 Z sum x``, which is the weights'
+  product when ``S = s`` and ``Z = 8 s / 17``. 10 bits a weight against the file's
+  6.56 (dense float32: 32); exact but for the bfloat16 rounding of S and Z, as for the
+  other types. Q2_K and Q3_K are not kept (16-weight groups of 2 and 3 bits: the same
+  trick would hold them at 10 bits, more than the exact planes' gain); they are
+  dequantized at load, named at start.
 
 ``aten._weight_int8pack_mm`` was not used: it takes one scale per output row, and these
 formats have one per 32 (or 16) weights (requantizing per row loses what the file
@@ -52,10 +60,14 @@ __all__ = ["Int4Matmul", "QuantRows", "QuantTensor"]
 _GROUP = 32
 # per type: weights per block, bytes per block, 4-bit planes the kernel runs
 _BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256,
-          "Q5_K": 256}
+          "Q5_K": 256, "Q6_K": 256}
 _BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144,
-          "Q5_K": 176}
-_PLANES = {"Q4_0": 1, "Q4_1": 1, "Q5_0": 2, "Q5_1": 2, "Q8_0": 2, "Q4_K": 1, "Q5_K": 2}
+          "Q5_K": 176, "Q6_K": 210}
+_PLANES = {"Q4_0": 1, "Q4_1": 1, "Q5_0": 2, "Q5_1": 2, "Q8_0": 2, "Q4_K": 1, "Q5_K": 2,
+           "Q6_K": 1}
+# weights per scale (and zero) where not 32; the kernel's input columns per weight's
+_SCALE_GROUP = {"Q6_K": 16}
+_SPREAD = {"Q6_K": 2}
 
 
 def _f16(raw: np.ndarray) -> torch.Tensor:
@@ -90,11 +102,24 @@ class QuantTensor:
     def planes(self) -> int:
         return _PLANES[self.qtype]
 
+    @property
+    def group(self) -> int:
+        """Weights per scale and zero of :meth:`decode`: 32, or 16 (Q6_K)."""
+        return _SCALE_GROUP.get(self.qtype, _GROUP)
+
+    @property
+    def spread(self) -> int:
+        """The kernel's input columns per weight column: 1, or 2 (Q6_K)."""
+        return _SPREAD.get(self.qtype, 1)
+
     def decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, scale, zero) with ``w = q * scale + zero`` per group of 32: q [rows, cols]
-        (uint8 0..15 for Q4_*, 0..31 for Q5_*, int8 for Q8_0), scale and zero float32
-        [rows, cols / 32], computed from the file's float16 fields in float32 (exact)."""
+        """(q, scale, zero) with ``w = q * scale + zero`` per :attr:`group` weights: q
+        [rows, cols] (uint8 0..15 for Q4_*, 0..31 for Q5_*, 0..63 for Q6_K, int8 for
+        Q8_0), scale and zero float32 [rows, cols / group], computed from the file's
+        float16 fields in float32 (exact)."""
         blocks = np.ascontiguousarray(self.data).reshape(self.rows, -1, _BYTES[self.qtype])
+        if self.qtype == "Q6_K":
+            return self._decode_q6_k(blocks)
         d = _f16(blocks[..., 0:2])
         if self.qtype == "Q8_0":
             q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(self.rows, -1)
@@ -141,12 +166,34 @@ class QuantTensor:
             q = q | (((qh >> bit) & 1) << 4)
         return q.reshape(rows, -1), scale, zero
 
+    def _decode_q6_k(self, blocks: np.ndarray
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q6_K: 256 weights in 16 sub-blocks of 16, ``w = d*sc*(q - 32)``, 8-bit sc per
+        sub-block, q's low 4 bits in 128 bytes then its high 2 in 64 (gguf's layout)."""
+        rows, nb = blocks.shape[0], blocks.shape[1]
+        flat = blocks.reshape(rows * nb, -1)
+        d = _f16(flat[:, 208:210]).view(rows * nb, 1)
+        sc = torch.from_numpy(flat[:, 192:208].copy().view(np.int8).astype(np.float32))
+        ql = torch.from_numpy(flat[:, :128].copy()).view(-1, 2, 1, 64)
+        ql = torch.cat((ql & 15, ql >> 4), dim=2).view(-1, 8, 32)
+        qh = torch.from_numpy(flat[:, 128:192].copy()).view(-1, 2, 1, 32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+        qh = ((qh >> shifts) & 3).view(-1, 8, 32)
+        q = (ql | (qh << 4)).reshape(rows, -1)
+        scale = (d * sc).view(rows, -1)
+        return q, scale, -32 * scale
+
     def kernel_planes(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """The kernel's form, ``w = sum over planes of (q - 8) * scale + zero``, q 0..15.
-        One plane for 4-bit types (zero + 8 scale); two exact planes for 5- and 8-bit
-        ones, ``q = 16 hi + lo``: plane hi (stored ``hi + 8``, scale ``16 s``, zero 0)
-        and plane lo (scale ``s``, zero ``zero + 8 s``)."""
+        """The kernel's form, ``w = sum over planes of (q - 8) * scale + zero``, q 0..15,
+        per 32 of the kernel's input columns. One plane for 4-bit types (zero + 8
+        scale); two exact planes for 5- and 8-bit ones, ``q = 16 hi + lo``: plane hi
+        (stored ``hi + 8``, scale ``16 s``, zero 0) and plane lo (scale ``s``, zero
+        ``zero + 8 s``). Q6_K: one plane over twice the columns (the module docstring)."""
         q, scale, zero = self.decode()
+        if self.spread == 2:
+            sub = q.view(self.rows, -1, 1, 16).to(torch.int32)
+            spread = torch.cat((sub & 15, (sub >> 4) + 6), dim=2).view(self.rows, -1)
+            return [(spread, scale, scale * (8 / 17))]
         if self.planes == 1:
             return [(q, scale, zero + 8 * scale)]
         q32 = q.to(torch.int32)
@@ -171,6 +218,7 @@ class Int4Matmul(torch.nn.Module):
         self.cols = cols.pop()
         self.out_features = sum(p.rows for p in parts)
         self.planes = parts[0].planes
+        self.spread = parts[0].spread
         # plane by plane, every part's rows: y = sum of the planes' row blocks
         decoded = [p.kernel_planes() for p in parts]
         q = torch.cat([d[i][0].to(torch.int32) for i in range(self.planes) for d in decoded])
@@ -178,7 +226,7 @@ class Int4Matmul(torch.nn.Module):
         zero = torch.cat([d[i][2] for i in range(self.planes) for d in decoded])
         pad = -q.shape[0] % 16            # the kernel packs output rows by 16
         if pad:
-            q = torch.cat((q, torch.full((pad, self.cols), 8, dtype=q.dtype)))
+            q = torch.cat((q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype)))
             scale = torch.cat((scale, torch.zeros(pad, scale.shape[1])))
             zero = torch.cat((zero, torch.zeros(pad, zero.shape[1])))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -189,28 +237,37 @@ class Int4Matmul(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        hi = x.to(torch.bfloat16)
         rows = x.shape[0]
+        hi = x.to(torch.bfloat16)
         if self.exact_input and dtype == torch.float32:
             lo = (x - hi.float()).to(torch.bfloat16)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                torch.cat((hi, lo)), self.packed, _GROUP, self.scales_zeros).float()
+            y = self._mm(torch.cat((hi, lo))).float()
             y = y[:rows] + y[rows:]
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                hi.contiguous(), self.packed, _GROUP, self.scales_zeros)
+            y = self._mm(hi)
         n = self.out_features
         if self.planes == 2:
             y = y[:, :n] + y[:, n:2 * n]
         elif y.shape[1] != n:
             y = y[:, :n]
-        return y.to(dtype)  # type: ignore[no-any-return]
+        return y.to(dtype)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel on bfloat16 ``x``, spread first where the weights are (Q6_K: each
+        16 columns, then the same times 16, exact)."""
+        if self.spread == 2:
+            sub = x.view(x.shape[0], -1, 1, 16)
+            x = torch.cat((sub, sub * 16), dim=2).view(x.shape[0], -1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(  # type: ignore[no-any-return]
+            x.contiguous(), self.packed, _GROUP, self.scales_zeros)
 
 
 def compatible(parts: list[QuantTensor]) -> bool:
     """Whether ``parts`` can share one :class:`Int4Matmul`: the same number of planes
-    (each plane's rows are stacked over the parts), and cols % 32 == 0 (the kernel's)."""
-    return len({p.planes for p in parts}) == 1 and all(p.cols % _GROUP == 0 for p in parts)
+    (each plane's rows are stacked over the parts) and input spread, and cols % 32 == 0
+    (the kernel's)."""
+    return (len({(p.planes, p.spread) for p in parts}) == 1
+            and all(p.cols % _GROUP == 0 for p in parts))
 
 
 class QuantRows(torch.nn.Module):
@@ -235,7 +292,7 @@ class QuantRows(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.q[ids].float()
         n, cols = q.shape
-        w = q.view(n, -1, _GROUP) * self.scale[ids].float().unsqueeze(-1)
+        w = q.view(n, self.scale.shape[1], -1) * self.scale[ids].float().unsqueeze(-1)
         if self.zero is not None:
             w += self.zero[ids].float().unsqueeze(-1)
         return w.view(n, cols).to(self.dtype)
