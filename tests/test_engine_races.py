@@ -124,3 +124,44 @@ def test_a_closed_host_rank_group_refuses_at_once(model_dir: Path) -> None:
                          capture_output=True, text=True, timeout=REFUSED_WITHIN_S + 60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("refused:") and "closed" in out.stdout, out.stdout
+
+
+# A one-host job of two ranks, the group's timeout 4 s: the steps travel rank 0's channel
+# and the group's broadcast. An idle engine's ranks wait in that broadcast; rank 0 keeps
+# them under the timeout (a keep-alive every second here), so a step after an idle spell
+# of one and a half times the timeout runs, and gives the same tokens as before it.
+_IDLE_HOSTS = """
+import secrets, socket, sys, time
+from phalanx.engine import Engine, EngineConfig, SamplingParams
+from phalanx.hosts import MultiHostWorker, NodeSpec
+
+def tokens(engine, rid):
+    engine.add_request(rid, list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0))
+    out = []
+    while engine.has_unfinished():
+        out += [t for d in engine.step() for t in d.token_ids]
+    return out
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+spec = NodeSpec(1, 0, "127.0.0.1", port, secrets.token_hex(16), timeout=60.0)
+with MultiHostWorker(spec, 2) as hosts:
+    engine = Engine(EngineConfig(model=sys.argv[1], tensor_parallel_size=2, page_tokens=16,
+                                 num_pages=32, start_timeout=4.0), None,
+                    eos_token_ids=None, hosts=hosts)
+    try:
+        first = tokens(engine, "a")
+        time.sleep(1.5 * 4.0)   # the scenario: idle well past the group timeout
+        print(first == tokens(engine, "b") and len(first) == 8, flush=True)
+    finally:
+        engine.close()
+"""
+
+
+def test_a_multi_host_engine_steps_after_idling_past_its_groups_timeout(
+        model_dir: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", _IDLE_HOSTS, str(model_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "True", out.stdout + out.stderr[-3000:]

@@ -4,15 +4,22 @@
 :class:`~phalanx.hosts.MultiHostWorker`: the same methods, so the engine and its
 scheduler do not know how many hosts there are. The ranks form one torch.distributed
 group (gloo on CPU, NCCL where the runner is on CUDA) on the job's ``TCPStore`` under a
-prefix of this group's own, and TP's collectives run on it (``TorchDistComm``); the
-control plane carries only each step's plan to every rank and rank 0's result back,
-as typed bytes (the plan and result encodings of :mod:`phalanx.engine.core.plan`).
+prefix of this group's own, and TP's collectives run on it (``TorchDistComm``).
+
+Steps are the data plane, as on one host, never tasks: rank 0 lives on this host (node
+0's ranks are the parent's own), so the parent writes each step into a step channel
+(``worker/step_channel.py``) that rank 0 alone reads; rank 0 broadcasts it over the TP
+group and every rank runs it (``worker/rank.py``'s ``serve_host_steps``, one long task
+per rank for the engine's life); rank 0 answers through the channel. The control plane
+(the multi-host Worker's typed calls) opens and closes the ranks and carries the disk
+tier's lookups on rank 0.
 
 A lost host or rank fails the step in progress at once (the multi-host Worker fails every
-outstanding task of the job), and the group is dead from then on. A step that fails on a
-rank waits, at most the Worker's liveness window, for a lost host to explain it: a rank
-whose peer's host died sees only its collective fail, often before the control plane has
-lost that host, and the error a user reads must name the host.
+outstanding task of the job, the step loops' too, and the step's wait checks them
+between its slices), and the group is dead from then on. A step that fails on a rank
+waits, at most the Worker's liveness window, for a lost host to explain it: a rank whose
+peer's host died sees only its collective fail, often before the control plane has lost
+that host, and the error a user reads must name the host.
 
 The disk tier's loads travel with the step (typed ``DiskLoads``), as on one host; its
 cache is :class:`~phalanx.engine.multihost.disk.HostsDiskCache`. The rank side is
@@ -33,7 +40,8 @@ from phalanx.hosts.worker import HostLostError
 from .._errors import EngineDeadError, EngineError
 from ..core.executor import RankMemory
 from ..worker.executor import TP_WINDOW, ExecutorBase
-from ..worker.rank import close_rank, execute_rank, open_host_rank
+from ..worker.rank import close_rank, open_host_rank, serve_host_steps
+from ..worker.step_channel import StepChannel, StepMessage, channel_name
 from .domains import open_host_domain, release_host_domain
 
 __all__ = ["HostRankGroup"]
@@ -42,6 +50,10 @@ log = logging.getLogger("phalanx.engine")
 T = TypeVar("T")
 _ids = itertools.count(1)
 _SETTLE_S = 5.0  # a call's deadline, then this long for its answer to arrive
+# the step loops are tasks of the engine's whole life: no deadline of their own (each
+# step has one, in the channel)
+_LOOP_TIMEOUT_S = 10.0 ** 9
+_KEEPALIVE_S = 10.0  # an idle rank 0 broadcasts this often at most
 
 
 # -- node 0's side ----------------------------------------------------------------------
@@ -60,6 +72,8 @@ class HostRankGroup(ExecutorBase):
         self.runner_id = f"engine_hosts_{os.getpid()}_{next(_ids)}"
         self._step_timeout = step_timeout
         self._opened = False
+        self._channel: StepChannel | None = None
+        self._loops: list[concurrent.futures.Future[Any]] = []
         addr, port = hosts.store_address
         prefix = self._prefix = f"phx/tp/{self.runner_id}"
         per_node, nodes = hosts.ranks_per_node, len(hosts.nodes)
@@ -76,12 +90,53 @@ class HostRankGroup(ExecutorBase):
                                  disk_staging, (ids[r // per_node], self._domain) if ids else None,
                                  timeout=start_timeout + 30) for r in hosts.ranks]
             self.memory: list[RankMemory] = self._gather(futs, start_timeout + 60)
+            self._start_loops(start_timeout)
         except BaseException as exc:
             self.dead = exc
+            self._stop_loops()
             self._close_opened(futs)
             self._release_domains()
             raise
         self._opened = True
+
+    def _start_loops(self, timeout: float) -> None:
+        """The channel to rank 0, and every rank's step loop; the channel's name goes
+        once rank 0 has mapped it. Rank 0 keeps its peers' waits under the group's
+        timeout (``timeout``, the one ``join_group`` was given) while idle."""
+        local = self.worker.local
+        self._channel = StepChannel(channel_name(local.worker.generation, self.runner_id), 1)
+        keepalive = min(_KEEPALIVE_S, timeout / 4)
+        self._loops = [self.worker.submit(r, serve_host_steps, self.runner_id,
+                                          self._channel.name, keepalive,
+                                          timeout=_LOOP_TIMEOUT_S)
+                       for r in self.worker.ranks]
+        self._channel.hello(timeout, self._check_loops)
+
+    def _check_loops(self) -> None:
+        """Between a step's wait slices: every rank's loop still running and the job
+        alive (a loop that ended says why: a lost host, or its rank's failed step)."""
+        for r, f in enumerate(self._loops):
+            if f.done():
+                exc = f.exception()
+                if exc is not None:
+                    raise exc
+                raise EngineDeadError(f"engine: rank {r}'s step loop ended without an error")
+        if self.worker.dead is not None:
+            raise EngineDeadError(f"engine: the job failed: {self.worker.dead}")
+
+    def _stop_loops(self) -> None:
+        """End the loops (STOP through rank 0), then drop the channel. After a failure a
+        loop may be gone with its rank, or stuck in a collective: not awaited long."""
+        channel, self._channel = self._channel, None
+        if channel is None:
+            return
+        try:
+            channel.stop()
+            wait = self._step_timeout if self.dead is None else _SETTLE_S
+            concurrent.futures.wait(self._loops, timeout=wait)
+        finally:
+            self._loops = []
+            channel.close()
 
     def _gather(self, futs: list[concurrent.futures.Future[Any]], timeout: float) -> list[Any]:
         """Every result, or the failure's cause as soon as it is known (not when the
@@ -128,18 +183,21 @@ class HostRankGroup(ExecutorBase):
             raise EngineDeadError("the engine's ranks were closed")
 
     def execute(self, plan: bytes, loads: object | None = None) -> bytes:
-        """Run one encoded plan on every rank; rank 0's encoded result."""
+        """Run one encoded plan on every rank (through rank 0's channel); rank 0's
+        encoded result."""
         self._check_usable()
+        channel = self._channel
+        if channel is None:
+            raise EngineDeadError("the engine's ranks were closed")
         with self._quiet.call():
-            futs = [self.worker.submit(r, execute_rank, self.runner_id, plan, loads,
-                                       timeout=self._step_timeout)
-                    for r in self.worker.ranks]
             try:
-                outs = self._gather(futs, self._step_timeout + 30)
+                return channel.step(StepMessage(plan, cast(Any, loads)), self._step_timeout,
+                                    self._check_loops)
             except BaseException as exc:
-                self.dead = exc
+                self.dead = cause = self._cause(self._loops, exc)
+                if cause is not exc:   # a lost host explains it (the cause chains exc)
+                    raise cause from exc
                 raise
-        return bytes(outs[0])
 
     def on_rank0(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on rank 0 (the disk tier's lookups); its typed result."""
@@ -200,6 +258,7 @@ class HostRankGroup(ExecutorBase):
     def close(self, timeout: float = 60.0) -> None:
         if self._opened:
             self._opened = False
+            self._stop_loops()
             self._close_ranks(list(self.worker.ranks))
             self._release_domains()  # after the runners: they map the domains' windows
             if self.worker.dead is None:  # every rank left the group: its keys go too

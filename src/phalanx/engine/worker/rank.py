@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 from typing import Any
 
 from phalanx.comm import view_of
@@ -27,10 +28,10 @@ from ..disk.staging import PageStaging, attach_staging, expect_loads
 from ..model.gguf_file import forget_gguf_files
 from ..model.parallel import SoloComm, TPComm
 from .heap import TRIMMER
-from .step_channel import Kind, RankEnd
+from .step_channel import Kind, RankEnd, StepMessage, decode_message, encode_message
 
 __all__ = ["CLOSE_WAIT_S", "DistArgs", "close_rank", "execute_rank", "open_host_rank",
-           "open_local_rank", "serve_steps", "tiered_comm"]
+           "open_local_rank", "serve_host_steps", "serve_steps", "tiered_comm"]
 
 # a rank's place in the local torch.distributed group: (store port, key prefix, rank,
 # world, timeout, backend)
@@ -180,6 +181,26 @@ def execute_rank(runner_id: str, plan: bytes, disk: DiskLoads | None = None) -> 
     return encode_result(result) if rank == 0 else None
 
 
+def _rest(runner: Any) -> None:
+    """A wait slice passed with no step: memory no step needs goes back (the disk tier's
+    stored pages, then the heap's free pages: ``worker/heap.py``)."""
+    if isinstance(runner.staging, PageStaging) and runner.staging.release_stored():
+        TRIMMER.worked()  # the stores' copies were freed into the heap too
+    TRIMMER.idle()
+
+
+def _run_step(runner_id: str, rank: int, message: StepMessage) -> tuple[bytes | None, str | None]:
+    """One step message on this rank: (rank 0's encoded result, None), or (None, the
+    error that names this rank)."""
+    TRIMMER.worked()
+    try:
+        _STEP.hit()
+        return execute_rank(runner_id, message.plan, message.disk), None
+    except Exception as exc:  # noqa: BLE001  answered: the parent fails the step
+        return None, (str(exc) if isinstance(exc, EngineError) else
+                      f"rank {rank}: step failed: {type(exc).__name__}: {exc}")
+
+
 def serve_steps(runner_id: str, channel: str, tp: int) -> int:
     """This rank's step loop on one host (the data plane, ``worker/step_channel.py``):
     every step message is run with :func:`execute_rank` and answered through the
@@ -192,34 +213,82 @@ def serve_steps(runner_id: str, channel: str, tp: int) -> int:
     end = RankEnd(channel, rank, tp)
     parent = os.getppid()
     served = 0
-
-    def rest() -> None:
-        """A wait slice passed with no step: memory no step needs goes back (the disk
-        tier's stored pages, then the heap's free pages: ``worker/heap.py``)."""
-        if isinstance(runner.staging, PageStaging) and runner.staging.release_stored():
-            TRIMMER.worked()  # the stores' copies were freed into the heap too
-        TRIMMER.idle()
-
     try:
         while True:
-            kind, seq, message = end.next(lambda: os.getppid() == parent, rest)
+            kind, seq, message = end.next(lambda: os.getppid() == parent,
+                                          lambda: _rest(runner))
             if kind is Kind.STOP:
                 return served
             if message is None:  # HELLO: mapped
                 end.answer(seq)
                 continue
-            TRIMMER.worked()
-            try:
-                _STEP.hit()
-                result = execute_rank(runner_id, message.plan, message.disk)
-            except Exception as exc:  # noqa: BLE001  answered: the parent fails the step
-                end.answer(seq, error=str(exc) if isinstance(exc, EngineError) else
-                           f"rank {rank}: step failed: {type(exc).__name__}: {exc}")
-                continue
-            end.answer(seq, result=result)
-            served += 1
+            result, error = _run_step(runner_id, rank, message)
+            end.answer(seq, result=result, error=error)
+            served += error is None
     finally:
         end.close()
+
+
+# a multi-host step loop's frames over the TP group: a step message follows, the loop
+# ends, or nothing (rank 0 idles: its peers' broadcast must not reach the group's timeout)
+_FRAME_STEP, _FRAME_STOP, _FRAME_ALIVE = b"S", b"X", b"A"
+
+
+def serve_host_steps(runner_id: str, channel: str, keepalive_s: float) -> int:
+    """This rank's step loop in a multi-host engine (the data plane across hosts):
+    rank 0, on the parent's host, reads each message from the step channel as one host's
+    ranks do and broadcasts it over the TP group (``TPComm.broadcast_bytes``, the same
+    torch.distributed group the step's collectives use); every rank runs it with
+    :func:`execute_rank`, and rank 0 alone answers. A step failed on a peer ends the
+    peer's loop with the error (the parent sees that loop end and fails the step, naming
+    the rank), as the group cannot go on without it. While idle rank 0 broadcasts a
+    keep-alive every ``keepalive_s`` (under the group's timeout). Ends at STOP, or when
+    the parent is gone (rank 0 then stops its peers); returns the steps it served."""
+    from .runner import get_runner
+
+    runner = get_runner(runner_id)
+    comm = runner.comm
+    rank = comm.rank
+    end = RankEnd(channel, 0, 1) if rank == 0 else None
+    parent = os.getppid()
+    served = 0
+    sent = time.monotonic()
+
+    def idle() -> None:
+        nonlocal sent
+        _rest(runner)
+        if time.monotonic() - sent > keepalive_s:
+            comm.broadcast_bytes(_FRAME_ALIVE)
+            sent = time.monotonic()
+
+    try:
+        while True:
+            seq = 0
+            if end is not None:
+                kind, seq, message = end.next(lambda: os.getppid() == parent, idle)
+                if kind is Kind.HELLO:
+                    end.answer(seq)
+                    continue
+                frame = (_FRAME_STOP if message is None
+                         else _FRAME_STEP + encode_message(message))
+                comm.broadcast_bytes(frame)
+                sent = time.monotonic()
+            else:
+                frame = comm.broadcast_bytes(None)
+            if frame[:1] == _FRAME_STOP:
+                return served
+            if frame[:1] == _FRAME_ALIVE:
+                _rest(runner)
+                continue
+            result, error = _run_step(runner_id, rank, decode_message(frame[1:]))
+            if end is not None:
+                end.answer(seq, result=result, error=error)
+            elif error is not None:
+                raise EngineError(error)
+            served += error is None
+    finally:
+        if end is not None:
+            end.close()
 
 
 def close_rank(runner_id: str, leave_group: bool = False) -> None:

@@ -49,7 +49,8 @@ from phalanx.comm import futex, shm
 from .._errors import EngineDeadError, EngineError
 from ..disk.rank0 import DiskLoads
 
-__all__ = ["Kind", "RankEnd", "StepChannel", "StepMessage", "channel_name"]
+__all__ = ["Kind", "RankEnd", "StepChannel", "StepMessage", "channel_name", "decode_message",
+           "encode_message"]
 
 MAX_RANKS = 63
 ERROR_BYTES = 4096
@@ -82,6 +83,14 @@ class StepMessage(msgspec.Struct, frozen=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(StepMessage)
+
+
+def encode_message(message: StepMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_message(raw: bytes | memoryview) -> StepMessage:
+    return _decoder.decode(raw)
 
 
 def channel_name(generation: str, runner_id: str) -> str:
