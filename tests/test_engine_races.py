@@ -92,47 +92,18 @@ def test_a_closed_rank_group_refuses_a_job_at_once(model_dir: Path) -> None:
     assert isinstance(_refused(lambda: group.execute(b"")), EngineDeadError)
 
 
-# Node 0 of a one-host job, in its own process: the job store's libuv server keeps a
-# pipe pair open in the process that hosted it (torch 2.13), which this suite's leak
-# check would rightly count against a test that hosted it in the test process.
+# Node 0 of a one-host job of two ranks, in its own process: the job store's libuv
+# server keeps a pipe pair open in the process that hosted it (torch 2.13), which this
+# suite's leak check would rightly count against a test that hosted it in the test
+# process. The group's timeout is 4 s: the steps travel rank 0's channel and the group's
+# broadcast, and an idle engine's ranks wait in that broadcast, so rank 0 keeps them
+# under the timeout (a keep-alive every second here). A step after an idle spell of one
+# and a half times the timeout runs and gives the same tokens as before it; once closed,
+# the group refuses at once.
 _HOST_GROUP = """
-import os, secrets, socket, sys
-from phalanx.engine import Engine, EngineConfig
-from phalanx.errors import EngineDeadError
-from phalanx.hosts import MultiHostWorker, NodeSpec
-
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-spec = NodeSpec(1, 0, "127.0.0.1", port, secrets.token_hex(16), timeout=60.0)
-with MultiHostWorker(spec, 1) as hosts:
-    engine = Engine(EngineConfig(model=sys.argv[1], tensor_parallel_size=1, page_tokens=16,
-                                 num_pages=32), None, eos_token_ids=None, hosts=hosts)
-    group = engine.executor
-    assert group.on_rank0(os.getpid) != os.getpid()  # rank 0 answers while open
-    engine.close()
-    try:
-        group.on_rank0(os.getpid)
-        print("ran")
-    except EngineDeadError as exc:
-        print("refused:", exc)
-"""
-
-
-def test_a_closed_host_rank_group_refuses_at_once(model_dir: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", _HOST_GROUP, str(model_dir)],
-                         capture_output=True, text=True, timeout=REFUSED_WITHIN_S + 60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("refused:") and "closed" in out.stdout, out.stdout
-
-
-# A one-host job of two ranks, the group's timeout 4 s: the steps travel rank 0's channel
-# and the group's broadcast. An idle engine's ranks wait in that broadcast; rank 0 keeps
-# them under the timeout (a keep-alive every second here), so a step after an idle spell
-# of one and a half times the timeout runs, and gives the same tokens as before it.
-_IDLE_HOSTS = """
-import secrets, socket, sys, time
+import os, secrets, socket, sys, time
 from phalanx.engine import Engine, EngineConfig, SamplingParams
+from phalanx.errors import EngineDeadError
 from phalanx.hosts import MultiHostWorker, NodeSpec
 
 def tokens(engine, rid):
@@ -150,18 +121,25 @@ with MultiHostWorker(spec, 2) as hosts:
     engine = Engine(EngineConfig(model=sys.argv[1], tensor_parallel_size=2, page_tokens=16,
                                  num_pages=32, start_timeout=4.0), None,
                     eos_token_ids=None, hosts=hosts)
+    group = engine.executor
+    assert group.on_rank0(os.getpid) != os.getpid()  # rank 0 answers while open
+    first = tokens(engine, "a")
+    time.sleep(1.5 * 4.0)   # the scenario: idle well past the group's timeout
+    print("same after idling:", first == tokens(engine, "b") and len(first) == 8)
+    engine.close()
     try:
-        first = tokens(engine, "a")
-        time.sleep(1.5 * 4.0)   # the scenario: idle well past the group timeout
-        print(first == tokens(engine, "b") and len(first) == 8, flush=True)
-    finally:
-        engine.close()
+        group.on_rank0(os.getpid)
+        print("ran")
+    except EngineDeadError as exc:
+        print("refused:", exc)
 """
 
 
-def test_a_multi_host_engine_steps_after_idling_past_its_groups_timeout(
+def test_a_host_rank_group_steps_after_idling_and_refuses_once_closed(
         model_dir: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", _IDLE_HOSTS, str(model_dir)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == "True", out.stdout + out.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-c", _HOST_GROUP, str(model_dir)],
+                         capture_output=True, text=True, timeout=REFUSED_WITHIN_S + 90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "same after idling: True", out.stdout + out.stderr[-2000:]
+    assert lines[1].startswith("refused:") and "closed" in lines[1], out.stdout

@@ -32,6 +32,7 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -74,6 +75,10 @@ class HostRankGroup(ExecutorBase):
         self._opened = False
         self._channel: StepChannel | None = None
         self._loops: list[concurrent.futures.Future[Any]] = []
+        # held by a step in flight: the channel is unmapped only when none is; a close
+        # sets _closing first, which that step's wait sees at its next slice
+        self._step_lock = threading.Lock()
+        self._closing = False
         addr, port = hosts.store_address
         prefix = self._prefix = f"phx/tp/{self.runner_id}"
         per_node, nodes = hosts.ranks_per_node, len(hosts.nodes)
@@ -115,6 +120,8 @@ class HostRankGroup(ExecutorBase):
     def _check_loops(self) -> None:
         """Between a step's wait slices: every rank's loop still running and the job
         alive (a loop that ended says why: a lost host, or its rank's failed step)."""
+        if self._closing:
+            raise EngineDeadError("the engine's ranks were closed")
         for r, f in enumerate(self._loops):
             if f.done():
                 exc = f.exception()
@@ -127,8 +134,14 @@ class HostRankGroup(ExecutorBase):
     def _stop_loops(self) -> None:
         """End the loops (STOP through rank 0), then drop the channel. After a failure a
         loop may be gone with its rank, or stuck in a collective: not awaited long."""
+        self._closing = True
+        if not self._step_lock.acquire(timeout=self._step_timeout):
+            log.warning("engine: a step still runs after %g s; its channel stays mapped",
+                        self._step_timeout)
+            return
         channel, self._channel = self._channel, None
         if channel is None:
+            self._step_lock.release()
             return
         try:
             channel.stop()
@@ -137,6 +150,7 @@ class HostRankGroup(ExecutorBase):
         finally:
             self._loops = []
             channel.close()
+            self._step_lock.release()
 
     def _gather(self, futs: list[concurrent.futures.Future[Any]], timeout: float) -> list[Any]:
         """Every result, or the failure's cause as soon as it is known (not when the
@@ -186,10 +200,10 @@ class HostRankGroup(ExecutorBase):
         """Run one encoded plan on every rank (through rank 0's channel); rank 0's
         encoded result."""
         self._check_usable()
-        channel = self._channel
-        if channel is None:
-            raise EngineDeadError("the engine's ranks were closed")
-        with self._quiet.call():
+        with self._quiet.call(), self._step_lock:
+            channel = self._channel
+            if channel is None:
+                raise EngineDeadError("the engine's ranks were closed")
             try:
                 return channel.step(StepMessage(plan, cast(Any, loads)), self._step_timeout,
                                     self._check_loops)
