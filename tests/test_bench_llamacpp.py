@@ -64,6 +64,9 @@ def test_both_servers_measured_on_the_same_file() -> None:
     assert lc["tokens"]["cache_hit"]["cached_tokens"] > 0
     assert set(r["goals"]) == {"throughput_1x", "restart_ttft_10x", "decode_b1_0.7x"}
     assert r["setup"]["threads"] >= 1 and r["setup"]["tp"] == 1
+    # the same KV bytes on both sides: llama-server's f16 K and V for its --ctx tokens
+    # (4,096 with --quick) of the real model's 30 layers x 3 KV heads x 64
+    assert r["setup"]["kv_cache_size"] == 4096 * 30 * 2 * 3 * 64 * 2
     # the CPU the numbers hold for (issue 43)
     assert isinstance(r["cpu"]["model"], str) and r["cpu"]["model"]
     assert r["cpu"]["amx"] in (True, False, None)

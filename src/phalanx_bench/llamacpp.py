@@ -59,6 +59,7 @@ from typing import Any
 
 import click
 
+from phalanx.engine.model.config import load_config
 from phalanx.serve.cli import BYTE_SIZE
 
 from ._errors import BenchError
@@ -117,6 +118,14 @@ REST_S = 1.0
 def _memory_at_rest(pgid: int) -> dict[str, float]:
     time.sleep(REST_S)
     return _group_memory_mb(pgid)
+
+
+def llama_kv_bytes(gguf: Path, ctx: int) -> int:
+    """The bytes llama-server's KV takes for ``ctx`` tokens of this model (f16 K and V
+    of every layer): phalanx gets the same budget, so the memory figures compare (its
+    float32 KV holds half the tokens in it)."""
+    cfg = load_config(gguf)
+    return ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
 
 
 class AnchorBroken(BenchError):
@@ -377,9 +386,9 @@ def shape(raw: dict[str, Any], gguf: Path) -> dict[str, Any]:
 @click.option("--clients", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--system-prompts", "systems", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--system-tokens", type=click.IntRange(1), default=512, show_default=True)
-@click.option("--kv-cache-size", default="384M", show_default=True, type=BYTE_SIZE,
-              help="phalanx's KV memory per rank (384M: 16,384 tokens of this model, "
-                   "llama-server's --ctx)")
+@click.option("--kv-cache-size", default=None, type=BYTE_SIZE,
+              help="phalanx's KV memory per rank [default: what llama-server's --ctx "
+                   "tokens take in its f16 KV for this model: 360 MiB for the real one]")
 @click.option("--ctx", type=click.IntRange(1), default=16384, show_default=True,
               help="llama-server's context (its unified KV pool over every slot)")
 @click.option("--logs", default=None, type=click.Path(file_okay=False, path_type=Path),
@@ -390,8 +399,8 @@ def shape(raw: dict[str, Any], gguf: Path) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True)
 def command(model_file: Path | None, llama_server: Path | None, tp: int, prompt_tokens: int,
             reps: int, decode_tokens: int, max_tokens: int, clients: int, systems: int,
-            system_tokens: int, kv_cache_size: int, ctx: int, logs: Path | None, seed: int,
-            quick: bool, as_json: bool) -> None:
+            system_tokens: int, kv_cache_size: int | None, ctx: int, logs: Path | None,
+            seed: int, quick: bool, as_json: bool) -> None:
     """phalanx serve beside llama.cpp's llama-server on one GGUF file: TTFT (miss,
     memory hit, after a restart), decode b1/b16, 16-client throughput, memory."""
     if quick:
@@ -402,6 +411,7 @@ def command(model_file: Path | None, llama_server: Path | None, tp: int, prompt_
         raise click.UsageError(f"no llama-server at {binary}: run bench/setup_llamacpp.sh "
                                "(or pass --llama-server)")
     gguf = model_file or fetch()
+    kv_cache_size = kv_cache_size or llama_kv_bytes(gguf, ctx)
     with tempfile.TemporaryDirectory(prefix="phx-bench-llamacpp-logs-") as tmp_logs:
         where = logs or Path(tmp_logs)
         where.mkdir(parents=True, exist_ok=True)
