@@ -59,7 +59,7 @@ from typing import Any
 
 import click
 
-from phalanx.engine.model.config import load_config
+from phalanx.engine.model import load_config
 from phalanx.serve.cli import BYTE_SIZE
 
 from ._errors import BenchError
