@@ -105,6 +105,7 @@ def test_explicit_cpu_device_serves_as_before(model_dir: Path, reference: list[i
     assert out.outputs[0].token_ids == reference
 
 
+@pytest.mark.slow  # a gloo group of two ranks: ~11 s
 def test_tp2_over_a_local_torch_distributed_group(model_dir: Path, reference: list[int],
                                                   tmp_path: Path) -> None:
     """The path TP takes on CUDA (a group of the local ranks on a store the parent holds;

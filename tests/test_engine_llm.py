@@ -286,6 +286,7 @@ def _shared_prompts(n: int, seed: int) -> list[list[int]]:
              (i * 7) % 240 + 5] for i in range(n)]
 
 
+@pytest.mark.slow  # two engines and a disk tier: ~19 s
 def test_disk_tier_cached_equals_recomputed(model_dir: Path, tmp_path: Path) -> None:
     prompts = _shared_prompts(50, seed=1)
     refused = _shared_prompts(8, seed=2)

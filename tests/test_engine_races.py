@@ -135,6 +135,7 @@ with MultiHostWorker(spec, 2) as hosts:
 """
 
 
+@pytest.mark.slow  # a two-rank job that idles past its group timeout: ~14 s
 def test_a_host_rank_group_steps_after_idling_and_refuses_once_closed(
         model_dir: Path) -> None:
     out = subprocess.run([sys.executable, "-c", _HOST_GROUP, str(model_dir)],

@@ -94,6 +94,7 @@ def samples(files: dict[str, Path]) -> dict[str, list[Sample]]:
     return out
 
 
+@pytest.mark.slow  # the quantized files parsed once for all types: ~20 s
 @pytest.mark.parametrize("qtype", KEPT_QUANTIZED)
 def test_each_kept_type_is_gguf_dequantization_exactly(samples: dict[str, list[Sample]],
                                                        qtype: str) -> None:
