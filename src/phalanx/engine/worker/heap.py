@@ -24,10 +24,11 @@ Where the C library has no ``malloc_trim`` (not glibc) this does nothing.
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Callable
 
-__all__ = ["TRIMMER", "HeapTrimmer", "resident_bytes"]
+import psutil
+
+__all__ = ["TRIMMER", "HeapTrimmer"]
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -40,13 +41,10 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 _TRIM = _malloc_trim()
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def resident_bytes() -> int:
-    """This process's resident set now (``/proc/self/statm``)."""
-    with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * _PAGE
+def _resident() -> int:
+    return int(psutil.Process().memory_info().rss)
 
 
 class HeapTrimmer:
@@ -56,16 +54,14 @@ class HeapTrimmer:
 
     def __init__(self) -> None:
         self._dirty = False
-        self.trims = 0
         self.released = 0   # resident bytes given back, over the process's life
 
     def trim(self) -> None:
         if _TRIM is None:
             return
-        before = resident_bytes()
+        before = _resident()
         _TRIM(0)
-        self.trims += 1
-        self.released += max(0, before - resident_bytes())
+        self.released += max(0, before - _resident())
 
     def worked(self) -> None:
         self._dirty = True
